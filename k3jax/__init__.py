@@ -1,0 +1,1 @@
+"""k3jax: the Kimi K3 architecture in pure-functional JAX/Flax."""

@@ -1,0 +1,199 @@
+"""Typed, frozen configuration of the K3 model (SPEC sections 1-6).
+
+Every dataclass validates itself on construction. ``ModelConfig`` derives the hybrid schedule
+(which layer is KDA or MLA, dense or MoE) so a field can be followed from ``configs/`` to the code
+that uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from k3jax.config.base import ConfigError, divides, fail, one_of, positive, power_of_two, require
+from k3jax.config.moe import MoEConfig
+
+ACTIVATIONS = ("swiglu", "situ_glu")
+KDA_IMPLS = ("auto", "reference", "chunked", "pallas")
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention layer (SPEC 3.1). ``head_dim`` is K = V."""
+
+    num_heads: int = 4
+    head_dim: int = 64
+    conv_size: int = 4
+    gate: Literal["softplus", "lower_bound"] = "lower_bound"
+    lower_bound: float = -5.0
+    gate_rank: int = 128
+    output_gate: Literal["full", "low_rank"] = "full"
+    output_gate_rank: int = 128
+    allow_neg_eigval: bool = False
+    chunk_size: int = 64
+    impl: str = "auto"
+
+    def __post_init__(self):
+        positive(self, "num_heads", "head_dim", "conv_size", "gate_rank", "output_gate_rank")
+        one_of(self, "gate", ("softplus", "lower_bound"))
+        one_of(self, "output_gate", ("full", "low_rank"))
+        one_of(self, "impl", KDA_IMPLS)
+        power_of_two(self, "chunk_size")
+        require(self.chunk_size >= 16, self, "chunk_size", "expected a power of two >= 16")
+        if self.gate == "lower_bound" and not self.lower_bound < 0:
+            fail(self, "lower_bound", self.lower_bound, "expected a negative log-decay bound")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (SPEC 4). NoPE by default; ``rope=True`` rotates the 64 dims."""
+
+    num_heads: int = 4
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    output_gate: bool = False
+    rope: bool = False
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        positive(self, "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim")
+        if self.q_lora_rank is not None:
+            positive(self, "q_lora_rank")
+        if self.rope and self.qk_rope_head_dim % 2:
+            fail(self, "qk_rope_head_dim", self.qk_rope_head_dim, "RoPE needs an even width")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class FFNConfig:
+    """Dense gated MLP (SwiGLU or SiTU-GLU, SPEC 6)."""
+
+    intermediate_size: int = 512
+    activation: str = "situ_glu"
+    situ_beta_gate: float = 4.0
+    situ_beta_up: float = 25.0
+
+    def __post_init__(self):
+        positive(self, "intermediate_size")
+        one_of(self, "activation", ACTIVATIONS)
+        require(self.situ_beta_gate > 0, self, "situ_beta_gate", "expected > 0")
+        require(self.situ_beta_up > 0, self, "situ_beta_up", "expected > 0")
+
+
+@dataclass(frozen=True)
+class ResidualConfig:
+    """The residual rule: plain pre-norm sum, or Attention Residuals (SPEC 5).
+
+    The AttnRes block size may be given in sub-layers (the paper's unit; Full AttnRes is 1) or in
+    decoder layers (K3's config unit, two sub-layers each); ``block_sublayers`` is the resolved value.
+    """
+
+    kind: Literal["plain", "attnres"] = "plain"
+    block_size_sublayers: int | None = None
+    block_size_layers: int | None = None
+
+    def __post_init__(self):
+        one_of(self, "kind", ("plain", "attnres"))
+        s, l = self.block_size_sublayers, self.block_size_layers
+        if s is not None and l is not None and s != 2 * l:
+            fail(self, "block_size_sublayers", s,
+                 f"conflicts with block_size_layers={l} (one decoder layer is two sub-layers)")
+        for name in ("block_size_sublayers", "block_size_layers"):
+            if getattr(self, name) is not None:
+                positive(self, name)
+        if self.kind == "attnres" and s is None and l is None:
+            fail(self, "block_size_sublayers", None,
+                 "attnres needs a block size (block_size_sublayers=1 is Full AttnRes)")
+
+    @property
+    def block_sublayers(self) -> int | None:
+        if self.block_size_sublayers is not None:
+            return self.block_size_sublayers
+        return None if self.block_size_layers is None else 2 * self.block_size_layers
+
+
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The whole decoder-only K3 model.
+
+    Layer ``i`` (0-based) is MLA when ``(i + 1) % mla_every == 0`` or it is the last layer, unless
+    ``mla_layers`` lists the MLA layers explicitly. Its FFN is dense for ``i < first_k_dense``,
+    otherwise MoE (when ``moe`` is set).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    mla_every: int = 4
+    mla_layers: tuple[int, ...] | None = None
+    first_k_dense: int = 1
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    dense_ffn: FFNConfig = field(default_factory=FFNConfig)
+    moe: MoEConfig | None = None
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    rms_eps: float = 1e-5
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"
+
+    def __post_init__(self):
+        positive(self, "vocab_size", "d_model", "num_layers", "mla_every")
+        one_of(self, "dtype", ("bfloat16", "float32", "float16"))
+        one_of(self, "param_dtype", ("float32", "bfloat16"))
+        one_of(self, "remat", REMAT_POLICIES)
+        require(self.rms_eps > 0, self, "rms_eps", "expected > 0")
+        require(self.init_std > 0, self, "init_std", "expected > 0")
+        if not (0 <= self.first_k_dense <= self.num_layers):
+            fail(self, "first_k_dense", self.first_k_dense, f"expected 0..num_layers={self.num_layers}")
+        if self.mla_layers is not None:
+            bad = [i for i in self.mla_layers if not (0 <= i < self.num_layers)]
+            if bad:
+                fail(self, "mla_layers", self.mla_layers,
+                     f"layer indices are 0-based and must lie in [0, {self.num_layers}); "
+                     f"out of range: {bad}")
+        if self.moe is None and self.first_k_dense < self.num_layers:
+            # Without an MoE config every layer is dense; normalise rather than fail.
+            object.__setattr__(self, "first_k_dense", self.num_layers)
+        if self.moe is not None:
+            if self.moe.latent_dim is not None and self.moe.latent_dim > self.d_model:
+                fail(self, "moe.latent_dim", self.moe.latent_dim,
+                     f"the latent width must not exceed d_model={self.d_model}")
+
+    # -- the hybrid schedule (SPEC 2) -------------------------------------------------------
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        if self.mla_layers is not None:
+            mla = set(self.mla_layers)
+        else:
+            mla = {i for i in range(self.num_layers) if (i + 1) % self.mla_every == 0}
+            mla.add(self.num_layers - 1)
+        return tuple("mla" if i in mla else "kda" for i in range(self.num_layers))
+
+    @property
+    def mlp_types(self) -> tuple[str, ...]:
+        return tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers))
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.num_layers
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+__all__ = ["ACTIVATIONS", "ConfigError", "FFNConfig", "KDAConfig", "MLAConfig", "ModelConfig",
+           "ResidualConfig", "divides"]

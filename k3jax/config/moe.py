@@ -1,0 +1,53 @@
+"""Typed configuration of the MoE feed-forward and its load balancing (SPEC 6-8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3jax.config.base import fail, one_of, positive, require
+
+BALANCING = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
+DISPATCH = ("ragged", "dense", "all_to_all", "ring", "ragged_all_to_all")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts plus an optional shared MLP.
+
+    ``latent_dim`` set: Stable LatentMoE (K3) with experts at latent width between ``W_down`` and
+    ``W_up``; ``latent_norm`` is the RMSNorm before ``W_up``. ``latent_dim=None``: the plain K2 /
+    Kimi Linear MoE with experts at full width.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_intermediate: int = 128
+    latent_dim: int | None = None
+    latent_norm: bool = True
+    shared_intermediate: int = 0
+    routed_scaling_factor: float = 1.0
+    activation: str = "situ_glu"
+    situ_beta_gate: float = 4.0
+    situ_beta_up: float = 25.0
+    balancing: str = "quantile_hist"
+    qb_bins: int = 1000
+    aux_free_gamma: float = 1e-3
+    aux_loss_alpha: float = 1e-4
+    aux_loss_per_sequence: bool = False
+    dispatch: str = "ragged"
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        positive(self, "num_experts", "top_k", "expert_intermediate", "qb_bins")
+        if self.top_k > self.num_experts:
+            fail(self, "top_k", self.top_k,
+                 f"cannot route to more experts than exist (num_experts={self.num_experts})")
+        if self.latent_dim is not None:
+            positive(self, "latent_dim")
+        require(self.shared_intermediate >= 0, self, "shared_intermediate", "expected >= 0")
+        require(self.routed_scaling_factor > 0, self, "routed_scaling_factor", "expected > 0")
+        one_of(self, "activation", ("swiglu", "situ_glu"))
+        one_of(self, "balancing", BALANCING)
+        one_of(self, "dispatch", DISPATCH)
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            fail(self, "capacity_factor", self.capacity_factor, "expected None (dropless) or > 0")
