@@ -1,0 +1,60 @@
+"""Dotted ``--set`` overrides: typed by the dataclass fields, errors name the key and close matches."""
+
+import json
+
+import pytest
+
+from k3jax.config import ConfigError
+from k3jax.config.experiment import (ExperimentConfig, apply_overrides, from_dict, load_config)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = apply_overrides(ExperimentConfig(), [
+        "model.d_model=256", "train.steps=500", "optim.lr=1e-3", "model.mla_layers=1,3",
+        "optim.clip_norm=none", "checkpoint.async_save=false", "eval.tasks=mqar,parity",
+        "model.moe.num_experts=4", "data.tokenizer=bpe", "model.vocab_size=512"])
+    assert cfg.model.d_model == 256 and isinstance(cfg.model.d_model, int)
+    assert cfg.train.steps == 500 and cfg.optim.lr == 1e-3
+    assert cfg.model.mla_layers == (1, 3) and cfg.optim.clip_norm is None
+    assert cfg.checkpoint.async_save is False and cfg.eval.tasks == ("mqar", "parity")
+    assert cfg.model.moe is not None and cfg.model.moe.num_experts == 4  # created on demand
+    assert cfg.data.tokenizer == "bpe"
+
+
+@pytest.mark.parametrize("item, must_mention", [
+    ("model.d_modle=3", ["d_modle", "model.d_model"]),
+    ("trian.steps=3", ["trian", "train.steps"]),
+    ("optim.lrr=0.1", ["lrr", "optim.lr"]),
+    ("model.d_model=abc", ["model.d_model", "'abc'", "integer"]),
+    ("model.d_model=-1", ["model.d_model", "-1", "positive"]),
+    ("train.steps=1.5", ["train.steps", "integer"]),
+    ("optim.name=sgd", ["optim.name", "sgd", "adamw", "muon"]),
+    ("checkpoint.async_save=maybe", ["checkpoint.async_save", "boolean"]),
+    ("model.dtype=fp32", ["model.dtype", "fp32", "bfloat16"]),
+    ("eval.tasks=mqar,lambada", ["eval.tasks", "lambada"]),
+    ("train.steps", ["KEY=VALUE"]),
+    ("train.steps.x=1", ["train.steps", "not a nested config"]),
+])
+def test_bad_overrides_name_the_key(item, must_mention):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(ExperimentConfig(), [item])
+    for text in must_mention:
+        assert text in str(err.value), (item, str(err.value))
+
+
+def test_cross_field_validation_names_the_fields():
+    with pytest.raises(ConfigError, match="micro_batches"):
+        apply_overrides(ExperimentConfig(), ["data.batch_size=6", "train.micro_batches=4"])
+    with pytest.raises(ConfigError, match="vocab_size"):
+        apply_overrides(ExperimentConfig(), ["model.vocab_size=100"])
+
+
+def test_json_round_trip_and_preset_loading(tmp_path):
+    cfg = apply_overrides(ExperimentConfig(), ["model.mla_layers=0,2", "eval.tasks=stack"])
+    assert from_dict(ExperimentConfig, json.loads(json.dumps(cfg.to_dict()))) == cfg
+    preset = tmp_path / "p.py"
+    preset.write_text("from k3jax.config.experiment import ExperimentConfig, TrainConfig\n"
+                      "def get_config():\n    return ExperimentConfig(train=TrainConfig(steps=7))\n")
+    assert load_config(preset).train.steps == 7
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.py")
