@@ -1,0 +1,1 @@
+"""Presets: one Python file per configuration, each with ``model_config()`` and ``get_config()``."""

@@ -1,0 +1,21 @@
+"""K3 in miniature for one GPU (100-200M total parameters): the K3 recipe (3 KDA : 1 MLA with the
+last layer MLA, lower-bound gate, dense layer 0, Stable LatentMoE with shared MLP, Quantile
+Balancing, Block AttnRes) at widths a single H200 trains quickly."""
+
+from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=16384, d_model=768, num_layers=12, mla_every=4, first_k_dense=1,
+        kda=KDAConfig(num_heads=6, head_dim=128, gate="lower_bound", lower_bound=-5.0,
+                      gate_rank=64, output_gate="full"),
+        mla=MLAConfig(num_heads=6, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        dense_ffn=FFNConfig(intermediate_size=2048, activation="situ_glu"),
+        moe=MoEConfig(num_experts=16, top_k=2, expert_intermediate=512, latent_dim=384,
+                      latent_norm=True, shared_intermediate=768, activation="situ_glu",
+                      balancing="quantile_hist"),
+        residual=ResidualConfig(kind="attnres", block_size_layers=3),
+        rms_eps=1e-5,
+    )

@@ -1,0 +1,54 @@
+"""One decoder layer, built from three parts: a token mixer, an FFN and a residual rule.
+
+New variants register here (``MIXERS``/``FFNS``) instead of editing the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+
+from k3jax.config import ModelConfig
+from k3jax.layers.ffn import dense_ffn
+from k3jax.layers.kda import KDALayer
+from k3jax.layers.mla import MLALayer
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.residual import make_residual
+
+
+def _moe_ffn(cfg: ModelConfig) -> nn.Module:
+    from k3jax.layers.moe import MoEBlock  # the MoE pulls in routing and dispatch only when used
+    return MoEBlock(cfg, name="ffn")
+
+
+MIXERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
+    "kda": lambda cfg: KDALayer(cfg, name="mixer"),
+    "mla": lambda cfg: MLALayer(cfg, name="mixer"),
+}
+FFNS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": dense_ffn, "moe": _moe_ffn}
+
+
+class DecoderLayer(nn.Module):
+    """``state -> state`` for decoder layer ``layer_index`` (two sub-layers: mixer, FFN)."""
+
+    cfg: ModelConfig
+    mixer: str
+    ffn: str
+
+    @nn.compact
+    def __call__(self, state, layer_index, segment_ids, deterministic: bool):
+        cfg = self.cfg
+        j = 2 * layer_index
+        res_mixer = make_residual(cfg, "residual_mixer")
+        res_ffn = make_residual(cfg, "residual_ffn")
+        norm_mixer = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_mixer")
+        norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
+
+        h = res_mixer.read(state, j)
+        out = MIXERS[self.mixer](cfg)(norm_mixer(h), segment_ids)
+        state = res_mixer.write(state, out, j)
+
+        h = res_ffn.read(state, j + 1)
+        out = FFNS[self.ffn](cfg)(norm_ffn(h), deterministic=deterministic)
+        return res_ffn.write(state, out, j + 1)

@@ -1,0 +1,45 @@
+"""Dense gated feed-forward block (SwiGLU or SiTU-GLU, SPEC 6), also the MoE's shared MLP."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.param import normal
+from k3jax.ops.activations import glu
+
+
+class GLUMLP(nn.Module):
+    """``W_down( act(W_gate x, W_up x) )`` with no biases. Shapes: ``[..., d] -> [..., d]``."""
+
+    d_model: int
+    intermediate: int
+    activation: str = "situ_glu"
+    beta_gate: float = 4.0
+    beta_up: float = 25.0
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """``deterministic`` is unused; every FFN shares the MoE block's signature."""
+        cdt, pdt = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        w_gate = self.param("w_gate", normal(self.init_std, ("embed", "mlp")),
+                            (self.d_model, self.intermediate), pdt)
+        w_up = self.param("w_up", normal(self.init_std, ("embed", "mlp")),
+                          (self.d_model, self.intermediate), pdt)
+        w_down = self.param("w_down", normal(self.init_std, ("mlp", "embed")),
+                            (self.intermediate, self.d_model), pdt)
+        x = x.astype(cdt)
+        h = glu(x @ w_gate.astype(cdt), x @ w_up.astype(cdt), self.activation, self.beta_gate,
+                self.beta_up)
+        return h @ w_down.astype(cdt)
+
+
+def dense_ffn(cfg) -> GLUMLP:
+    """The dense FFN of a :class:`~k3jax.config.ModelConfig` (layers ``< first_k_dense``)."""
+    f = cfg.dense_ffn
+    return GLUMLP(cfg.d_model, f.intermediate_size, f.activation, f.situ_beta_gate, f.situ_beta_up,
+                  cfg.init_std, cfg.dtype, cfg.param_dtype, name="ffn")

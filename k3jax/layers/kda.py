@@ -1,0 +1,157 @@
+"""The Kimi Delta Attention layer (SPEC 3.1): projections, short convs, gate, beta, core op, output.
+
+The core recurrence lives in :mod:`k3jax.ops.kda`; this module only builds its inputs and applies the
+gated head-wise norm and output projection. Shapes follow the FLA layout ``[B, T, H, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.conv import causal_conv, causal_conv_step
+from k3jax.layers.norms import GatedHeadRMSNorm
+from k3jax.layers.param import normal, param_init
+from k3jax.ops.kda import kda, kda_decode, l2_normalize
+
+
+class KDACache(NamedTuple):
+    """Decode state of one KDA layer: the three conv states and the fp32 recurrent state."""
+
+    conv_q: jax.Array  # [B, W-1, H*K]
+    conv_k: jax.Array  # [B, W-1, H*K]
+    conv_v: jax.Array  # [B, W-1, H*V]
+    state: jax.Array  # [B, H, K, V] fp32
+
+
+def _a_log_init(gate: str):
+    """Softplus form: ``A_log = log U(1, 16)``; lower-bound form: ``A_log = 0`` (SPEC 3.1 step 4)."""
+    def init(key, shape, dtype=jnp.float32):
+        if gate == "softplus":
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+        return jnp.zeros(shape, dtype)
+    return init
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    """``inverse_softplus(dt)`` with ``dt`` log-uniform in ``[1e-3, 1e-1]``, clamped at 1e-4."""
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+    dt = jnp.maximum(dt, 1e-4)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def kda_gate(f: jax.Array, a_log: jax.Array, gate: str, lower_bound: float) -> jax.Array:
+    """Log-decay ``g <= 0`` from the gate pre-activation ``f [B, T, H, K]`` and ``A_log [H]`` (fp32)."""
+    a = jnp.exp(a_log.astype(jnp.float32))[:, None]  # [H, 1]
+    f = f.astype(jnp.float32)
+    if gate == "softplus":
+        return -a * jax.nn.softplus(f)
+    return lower_bound * jax.nn.sigmoid(a * f)
+
+
+class KDALayer(nn.Module):
+    """KDA token mixer. ``__call__``: ``x [B, T, d] -> [B, T, d]`` (optionally with a cache)."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c, k = self.cfg, self.cfg.kda
+        d, hk, hv = c.d_model, k.num_heads * k.head_dim, k.num_heads * k.head_dim
+        pdt, std = jnp.dtype(c.param_dtype), c.init_std
+        self.w_q = self.param("w_q", normal(std, ("embed", "heads")), (d, hk), pdt)
+        self.w_k = self.param("w_k", normal(std, ("embed", "heads")), (d, hk), pdt)
+        self.w_v = self.param("w_v", normal(std, ("embed", "heads")), (d, hv), pdt)
+        conv_init = normal(1.0 / math.sqrt(k.conv_size), ("conv", "heads"))
+        self.conv_q = self.param("conv_q", conv_init, (k.conv_size, hk), pdt)
+        self.conv_k = self.param("conv_k", conv_init, (k.conv_size, hk), pdt)
+        self.conv_v = self.param("conv_v", conv_init, (k.conv_size, hv), pdt)
+        self.w_fa = self.param("w_fa", normal(std, ("embed", "rank")), (d, k.gate_rank), pdt)
+        self.w_fb = self.param("w_fb", normal(std, ("rank", "heads")), (k.gate_rank, hk), pdt)
+        self.dt_bias = self.param("dt_bias", param_init(_dt_bias_init, ("heads",)), (hk,),
+                                  jnp.float32)
+        self.A_log = self.param("A_log", param_init(_a_log_init(k.gate), ("norm",)),
+                                (k.num_heads,), jnp.float32)
+        self.w_beta = self.param("w_beta", normal(std, ("embed", "norm")), (d, k.num_heads), pdt)
+        if k.output_gate == "full":
+            self.w_g = self.param("w_g", normal(std, ("embed", "heads")), (d, hv), pdt)
+        else:
+            self.w_ga = self.param("w_ga", normal(std, ("embed", "rank")),
+                                   (d, k.output_gate_rank), pdt)
+            self.w_gb = self.param("w_gb", normal(std, ("rank", "heads")),
+                                   (k.output_gate_rank, hv), pdt)
+        self.out_norm = GatedHeadRMSNorm(c.rms_eps, c.dtype, c.param_dtype)
+        self.w_o = self.param("w_o", normal(std, ("heads", "embed")), (hv, d), pdt)
+
+    # -- pieces shared by the sequence and the decode paths -----------------------------------
+    def _cast(self, w):
+        return w.astype(jnp.dtype(self.cfg.dtype))
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:-1], self.cfg.kda.num_heads, self.cfg.kda.head_dim)
+
+    def _gates(self, x):
+        """Log-decay ``g [..., H, K]`` (fp32) and ``beta [..., H]`` (fp32) from ``x [..., d]``."""
+        k = self.cfg.kda
+        x32 = x.astype(jnp.float32)
+        f = (x32 @ self.w_fa.astype(jnp.float32)) @ self.w_fb.astype(jnp.float32) + self.dt_bias
+        g = kda_gate(self._heads(f), self.A_log, k.gate, k.lower_bound)
+        beta = jax.nn.sigmoid(x32 @ self.w_beta.astype(jnp.float32))
+        return g, (2.0 * beta if k.allow_neg_eigval else beta)
+
+    def _output(self, x, o):
+        """``W_o(RMSNorm_head(o) * w * sigmoid(G))`` for ``o [..., H, V]``."""
+        if self.cfg.kda.output_gate == "full":
+            gate = x @ self._cast(self.w_g)
+        else:
+            gate = (x @ self._cast(self.w_ga)) @ self._cast(self.w_gb)
+        y = self.out_norm(o, self._heads(gate))
+        return y.reshape(*y.shape[:-2], -1) @ self._cast(self.w_o)
+
+    # -- sequence path (training, prefill) ---------------------------------------------------
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: KDACache | None = None, return_cache: bool = False):
+        """``x [B, T, d]``, ``segment_ids [B, T]`` -> ``y [B, T, d]`` (and the new cache if asked)."""
+        k = self.cfg.kda
+        x = x.astype(jnp.dtype(self.cfg.dtype))
+        convs = []
+        for name, w_proj, w_conv in (("conv_q", self.w_q, self.conv_q),
+                                     ("conv_k", self.w_k, self.conv_k),
+                                     ("conv_v", self.w_v, self.conv_v)):
+            state = None if cache is None else getattr(cache, name)
+            y, new_state = causal_conv(x @ self._cast(w_proj), w_conv, segment_ids, state)
+            convs.append((jax.nn.silu(y), new_state))
+        (q, cq), (kk, ck), (v, cv) = convs
+        g, beta = self._gates(x)
+        o, final = kda(l2_normalize(self._heads(q)), l2_normalize(self._heads(kk)), self._heads(v),
+                       g, beta, initial_state=None if cache is None else cache.state,
+                       output_final_state=return_cache, segment_ids=segment_ids,
+                       chunk_size=k.chunk_size, impl=k.impl)
+        out = self._output(x, o.astype(x.dtype))
+        return (out, KDACache(cq, ck, cv, final)) if return_cache else out
+
+    # -- one-token decode ----------------------------------------------------------------------
+    def decode_step(self, x: jax.Array, cache: KDACache):
+        """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of SPEC 3.4."""
+        x = x.astype(jnp.dtype(self.cfg.dtype))
+        q, cq = causal_conv_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
+        kk, ck = causal_conv_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)
+        v, cv = causal_conv_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
+        g, beta = self._gates(x)
+        o, state = kda_decode(l2_normalize(self._heads(jax.nn.silu(q))),
+                              l2_normalize(self._heads(jax.nn.silu(kk))),
+                              self._heads(jax.nn.silu(v)), g, beta, cache.state)
+        return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)
+
+    @staticmethod
+    def empty_cache(cfg: ModelConfig, batch: int) -> KDACache:
+        k = cfg.kda
+        hk = k.num_heads * k.head_dim
+        conv = jnp.zeros((batch, k.conv_size - 1, hk), jnp.dtype(cfg.dtype))
+        return KDACache(conv, conv, conv,
+                        jnp.zeros((batch, k.num_heads, k.head_dim, k.head_dim), jnp.float32))

@@ -1,0 +1,50 @@
+"""RMSNorm and the gated head-wise RMSNorm of the KDA output (SPEC 3.1 step 7)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.param import ones
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last axis; statistics in fp32, result in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a learnable weight (init 1)."""
+
+    eps: float = 1e-5
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("scale", ones((self.axis_name,)), (x.shape[-1],), jnp.dtype(self.param_dtype))
+        return rms_norm(x, w, self.eps).astype(jnp.dtype(self.dtype))
+
+
+class GatedHeadRMSNorm(nn.Module):
+    """``RMSNorm_head(o) * w * sigmoid(gate)``: per-head norm over V channels, then an output gate.
+
+    Shapes: ``o`` and ``gate`` ``[B, T, H, V]`` -> ``[B, T, H, V]``. The weight ``[V]`` is shared by
+    heads, as in the released checkpoints.
+    """
+
+    eps: float = 1e-5
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, o: jax.Array, gate: jax.Array) -> jax.Array:
+        w = self.param("scale", ones(("kv",)), (o.shape[-1],), jnp.dtype(self.param_dtype))
+        y = rms_norm(o.astype(jnp.float32), w, self.eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return y.astype(jnp.dtype(self.dtype))

@@ -1,0 +1,66 @@
+"""Residual rules: how a sub-layer reads the residual stream and writes its output back (SPEC 2, 5).
+
+A rule is a small linen module per sub-layer with two methods, so the decoder layer never changes
+when the rule does:
+
+* ``read(state, j) -> h``: the input of sub-layer ``j``'s pre-norm;
+* ``write(state, out, j) -> state``: fold the sub-layer's output into the state.
+
+``initial_state(cfg, embedding)`` starts the state and ``FinalRead`` produces the input of the final
+norm. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN ``2i + 1``); it may
+be a traced integer when the stack is scanned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from k3jax.config import ModelConfig
+
+
+class PlainResidual(nn.Module):
+    """Pre-norm residual: the state is the stream ``x [B, T, d]``; ``x <- x + out``."""
+
+    cfg: ModelConfig
+
+    def read(self, state: jax.Array, j) -> jax.Array:
+        return state
+
+    def write(self, state: jax.Array, out: jax.Array, j) -> jax.Array:
+        return state + out.astype(state.dtype)
+
+    def __call__(self, state, j):  # lets linen initialise a rule that is only used via methods
+        return self.read(state, j)
+
+
+class PlainFinalRead(nn.Module):
+    cfg: ModelConfig
+
+    def __call__(self, state: jax.Array) -> jax.Array:
+        return state
+
+
+def _attnres():
+    from k3jax.layers import attnres  # imported lazily: the AttnRes rule lives in its own module
+    return attnres
+
+
+def make_residual(cfg: ModelConfig, name: str) -> nn.Module:
+    if cfg.residual.kind == "attnres":
+        return _attnres().AttnResidual(cfg, name=name)
+    return PlainResidual(cfg, name=name)
+
+
+def make_final_read(cfg: ModelConfig, name: str = "final_residual") -> nn.Module:
+    if cfg.residual.kind == "attnres":
+        return _attnres().AttnResFinalRead(cfg, name=name)
+    return PlainFinalRead(cfg, name=name)
+
+
+def initial_state(cfg: ModelConfig, embedding: jax.Array) -> Any:
+    if cfg.residual.kind == "attnres":
+        return _attnres().initial_state(cfg, embedding)
+    return embedding

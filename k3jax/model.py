@@ -1,0 +1,121 @@
+"""The K3 decoder-only model: embedding, hybrid stack, final residual read, final norm, untied head.
+
+``K3Model(cfg).apply(variables, tokens, segment_ids=..., deterministic=...)`` returns fp32 logits.
+Everything else leaves through explicit linen collections, never hidden state:
+
+* ``params``: trainable weights (plain pytrees after :func:`init_variables`);
+* ``balance``: the MoE router biases (non-trainable, updated by the training step);
+* ``balance_stats`` / ``losses`` / ``diagnostics``: outputs of a training forward, returned when the
+  caller makes them mutable.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.decoder import DecoderLayer
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.param import normal
+from k3jax.layers.residual import initial_state, make_final_read
+from k3jax.stack import plan_stack
+
+# Collections that hold one entry per scanned layer group (stacked on axis 0).
+SCANNED_COLLECTIONS = ("params", "balance", "balance_stats", "losses", "diagnostics")
+
+
+def _remat(cls, policy: str):
+    if policy == "none":
+        return cls
+    saveable = None if policy == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    # deterministic (last positional argument) is a Python bool and must stay static.
+    return nn.remat(cls, policy=saveable, static_argnums=(4,), prevent_cse=False)
+
+
+class LayerGroup(nn.Module):
+    """One period of the hybrid schedule; the body of the scanned stack."""
+
+    cfg: ModelConfig
+    group: tuple[tuple[str, str], ...]
+
+    @nn.compact
+    def __call__(self, state, first_layer, segment_ids, deterministic: bool):
+        layer_cls = _remat(DecoderLayer, self.cfg.remat)
+        for offset, (mixer, ffn) in enumerate(self.group):
+            state = layer_cls(self.cfg, mixer, ffn, name=f"layer_{offset}")(
+                state, first_layer + offset, segment_ids, deterministic)
+        return state, None
+
+
+class K3Model(nn.Module):
+    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]`` (fp32)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 deterministic: bool = True) -> jax.Array:
+        cfg = self.cfg
+        cdt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        _check_tokens(tokens, segment_ids)
+        table = self.param("embedding", normal(cfg.init_std, ("vocab", "embed")),
+                           (cfg.vocab_size, cfg.d_model), pdt)
+        state = initial_state(cfg, jnp.take(table, tokens, axis=0).astype(cdt))
+
+        plan = plan_stack(cfg)
+        layer_cls = _remat(DecoderLayer, cfg.remat)
+        for i in plan.prefix:
+            state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
+                state, i, segment_ids, deterministic)
+        if plan.repeats:
+            scanned = nn.scan(
+                LayerGroup,
+                variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast),
+                length=plan.repeats,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            starts = plan.scan_start + len(plan.group) * jnp.arange(plan.repeats)
+            state, _ = scanned(cfg, plan.group, name="scanned_layers")(
+                state, starts, segment_ids, deterministic)
+        for i in plan.suffix:
+            state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
+                state, i, segment_ids, deterministic)
+
+        h = make_final_read(cfg)(state)
+        h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
+        head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
+                          (cfg.d_model, cfg.vocab_size), pdt)
+        return jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
+                          preferred_element_type=jnp.float32)
+
+
+def _check_tokens(tokens, segment_ids) -> None:
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, T]; got {tokens.dtype}{tokens.shape}")
+    if segment_ids is not None and (segment_ids.shape != tokens.shape
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be an integer array of tokens' shape {tokens.shape}; "
+                         f"got {segment_ids.dtype}{segment_ids.shape}")
+
+
+def init_variables(cfg: ModelConfig, rng: jax.Array, batch_shape: tuple[int, int] = (1, 8)) -> dict:
+    """Plain (unboxed) variables ``{'params': ..., 'balance': ...}`` of a freshly initialised model."""
+    tokens = jnp.zeros(batch_shape, jnp.int32)
+    variables = K3Model(cfg).init({"params": rng}, tokens)
+    return nn.meta.unbox(dict(variables))
+
+
+def abstract_variables(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
+    """Shapes and dtypes of the variables (``jax.ShapeDtypeStruct``), allocating nothing."""
+    return jax.eval_shape(lambda r: init_variables(cfg, r, batch_shape), jax.random.key(0))
+
+
+def logical_axes(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
+    """The logical axis names of every variable as a tree of ``PartitionSpec`` (nothing allocated)."""
+    tokens = jnp.zeros(batch_shape, jnp.int32)
+    boxed = jax.eval_shape(lambda r: K3Model(cfg).init({"params": r}, tokens), jax.random.key(0))
+    return nn.get_partition_spec(boxed)

@@ -1,0 +1,58 @@
+"""Parameter counts by eval_shape against counts written out by hand from SPEC sections 1, 3, 4."""
+
+import importlib
+
+import pytest
+
+from helpers import small_config
+from k3jax.accounting import (count_params, forward_flops_per_token, kda_core_flops,
+                              kv_cache_bytes_per_token, kda_state_bytes)
+
+
+def _kda_params(d, h, k, conv, rank, out_gate_rank=None):
+    proj = 3 * d * h * k + 3 * conv * h * k  # q, k, v and their short convs
+    gate = d * rank + rank * h * k + h * k + h  # W_fa, W_fb, dt_bias, A_log
+    beta = d * h
+    out_gate = d * h * k if out_gate_rank is None else d * out_gate_rank + out_gate_rank * h * k
+    return proj + gate + beta + out_gate + k + h * k * d  # + head-norm weight + W_o
+
+
+def _mla_params(d, h, q_lora, kv_lora, nope, rope, v, gate):
+    q = d * h * (nope + rope) if q_lora is None else d * q_lora + q_lora + q_lora * h * (nope + rope)
+    kv = d * (kv_lora + rope) + kv_lora + kv_lora * h * (nope + v)
+    return q + kv + (d * h * v if gate else 0) + h * v * d
+
+
+def test_small_dense_model_count_by_hand():
+    cfg = small_config()
+    d, f, vocab = cfg.d_model, cfg.dense_ffn.intermediate_size, cfg.vocab_size
+    k, m = cfg.kda, cfg.mla
+    kda = _kda_params(d, k.num_heads, k.head_dim, k.conv_size, k.gate_rank)
+    mla = _mla_params(d, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+                      m.qk_rope_head_dim, m.v_head_dim, m.output_gate)
+    per_layer_rest = 3 * d * f + 2 * d  # FFN + the two pre-norms
+    n_kda = cfg.layer_types.count("kda")
+    n_mla = cfg.num_layers - n_kda
+    want = 2 * vocab * d + d + n_kda * kda + n_mla * mla + cfg.num_layers * per_layer_rest
+    counts = count_params(cfg)
+    assert counts.total == want
+    assert counts.active == want - vocab * d  # dense: everything but the input embedding
+    assert counts.routed_experts == 0
+
+
+def test_flops_follow_spec_conventions():
+    cfg = small_config()
+    k = cfg.kda
+    c = k.chunk_size
+    paper = k.num_heads * (6 * k.head_dim ** 2 + 3 * c * k.head_dim + c * c)
+    assert kda_core_flops(cfg, "paper") == paper
+    with pytest.raises(ValueError, match="convention"):
+        kda_core_flops(cfg, "made-up")
+    f1, f2 = forward_flops_per_token(cfg, 128), forward_flops_per_token(cfg, 256)
+    assert f2 > f1 > 2 * count_params(cfg).active  # MLA cost grows with context
+
+
+def test_serving_quantities_of_k3_match_spec_9():
+    cfg = importlib.import_module("configs.k3_full").model_config()
+    assert kv_cache_bytes_per_token(cfg) == 24 * 576 * 2  # ~27.6 KB
+    assert abs(kda_state_bytes(cfg) / 2**20 - 414) < 1  # ~414 MiB per sequence over 69 layers

@@ -1,0 +1,153 @@
+"""Layer-level numerics: short conv, KDA layer, MLA (absorbed vs expanded, decode vs full), norms.
+
+Tolerances follow SPEC section 10: the same math in another order, fp32, within FP32_TOL.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import small_config
+from k3jax.layers.conv import causal_conv, causal_conv_step
+from k3jax.layers.kda import KDALayer, kda_gate
+from k3jax.layers.mla import MLALayer
+from k3jax.layers.norms import rms_norm
+from k3jax.ops.tolerance import FP32_TOL, rel_rms
+
+B, T = 2, 24
+
+
+def _x(key, d, t=T):
+    return jax.random.normal(jax.random.key(key), (B, t, d), jnp.float32)
+
+
+def _segments():
+    # Two packed documents in row 0 (boundary at 10), three in row 1.
+    seg = np.zeros((B, T), np.int32)
+    seg[0, 10:] = 1
+    seg[1, 5:] = 1
+    seg[1, 17:] = 2
+    return jnp.asarray(seg)
+
+
+def test_rms_norm_matches_formula():
+    x = jax.random.normal(jax.random.key(0), (3, 7))
+    w = jnp.linspace(0.5, 1.5, 7)
+    want = x / np.sqrt(np.mean(np.square(x), -1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(rms_norm(x, w, 1e-5), want, rtol=1e-6)
+
+
+def test_conv_taps_never_cross_a_segment():
+    x = _x(1, 6)
+    w = jax.random.normal(jax.random.key(2), (4, 6))
+    seg = _segments()
+    y, _ = causal_conv(x, w, seg)
+    for b in range(B):
+        for s in np.unique(seg[b]):
+            idx = np.where(seg[b] == s)[0]
+            alone, _ = causal_conv(x[b:b + 1, idx], w)
+            np.testing.assert_allclose(y[b, idx], alone[0], rtol=1e-6, atol=1e-6)
+
+
+def test_conv_decode_steps_equal_full_conv():
+    x = _x(3, 5)
+    w = jax.random.normal(jax.random.key(4), (4, 5))
+    full, final = causal_conv(x, w)
+    state = jnp.zeros((B, 3, 5))
+    for t in range(T):
+        y, state = causal_conv_step(x[:, t], w, state)
+        np.testing.assert_allclose(y, full[:, t], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state, final)
+
+
+def _init(layer, x, **kw):
+    import flax.linen as nn
+    return nn.meta.unbox(layer.init(jax.random.key(0), x, **kw))
+
+
+@pytest.mark.parametrize("gate,out_gate", [("lower_bound", "full"), ("softplus", "low_rank")])
+def test_kda_layer_split_in_two_equals_one_run(gate, out_gate):
+    cfg = small_config(kda=dataclasses.replace(small_config().kda, gate=gate, output_gate=out_gate))
+    layer, x = KDALayer(cfg), _x(5, cfg.d_model)
+    v = _init(layer, x)
+    full = layer.apply(v, x)
+    h1, cache = layer.apply(v, x[:, :11], return_cache=True)
+    h2 = layer.apply(v, x[:, 11:], cache=cache)
+    assert rel_rms(full, jnp.concatenate([h1, h2], 1)) < FP32_TOL
+
+
+def test_kda_layer_decode_equals_full():
+    cfg = small_config()
+    layer, x = KDALayer(cfg), _x(6, cfg.d_model, 9)
+    v = _init(layer, x)
+    full = layer.apply(v, x)
+    cache = KDALayer.empty_cache(cfg, B)
+    outs = []
+    for t in range(x.shape[1]):
+        y, cache = layer.apply(v, x[:, t], cache, method=KDALayer.decode_step)
+        outs.append(y)
+    assert rel_rms(full, jnp.stack(outs, 1)) < FP32_TOL
+
+
+def test_kda_layer_segments_are_independent():
+    cfg = small_config()
+    layer, x, seg = KDALayer(cfg), _x(7, cfg.d_model), _segments()
+    v = _init(layer, x)
+    packed = layer.apply(v, x, segment_ids=seg)
+    for b in range(B):
+        for s in np.unique(seg[b]):
+            idx = np.where(seg[b] == s)[0]
+            alone = layer.apply(v, x[b:b + 1, idx])
+            assert rel_rms(alone[0], packed[b, idx]) < FP32_TOL
+
+
+def test_kda_gates_stay_in_range():
+    f = jnp.linspace(-30, 30, 64).reshape(1, 1, 2, 32)
+    lb = kda_gate(f, jnp.zeros(2), "lower_bound", -5.0)
+    assert bool(jnp.all((lb < 0) & (lb > -5.0)))
+    sp = kda_gate(f, jnp.log(jnp.array([1.0, 16.0])), "softplus", -5.0)
+    assert bool(jnp.all(sp <= 0))
+    np.testing.assert_allclose(sp[..., 1, :], 16 * sp[..., 0, :], rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora,rope,gate", [(16, False, True), (None, True, False)])
+def test_mla_absorbed_equals_expanded(q_lora, rope, gate):
+    cfg = small_config()
+    cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, q_lora_rank=q_lora, rope=rope,
+                                              output_gate=gate))
+    layer, x, seg = MLALayer(cfg), _x(8, cfg.d_model), _segments()
+    v = _init(layer, x)
+    expanded = layer.apply(v, x, segment_ids=seg)
+    absorbed = layer.apply(v, x, segment_ids=seg, method=MLALayer.absorbed)
+    assert rel_rms(expanded, absorbed) < FP32_TOL
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_mla_decode_equals_full(rope):
+    cfg = small_config()
+    cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, rope=rope))
+    layer, x = MLALayer(cfg), _x(9, cfg.d_model, 7)
+    v = _init(layer, x)
+    full = layer.apply(v, x)
+    cache = MLALayer.empty_cache(cfg, B, max_len=10)
+    outs = []
+    for t in range(x.shape[1]):
+        y, cache = layer.apply(v, x[:, t], cache, method=MLALayer.decode_step)
+        outs.append(y)
+    assert rel_rms(full, jnp.stack(outs, 1)) < FP32_TOL
+    m = cfg.mla
+    assert cache.c.shape[-1] + cache.k_rope.shape[-1] == m.kv_lora_rank + m.qk_rope_head_dim
+
+
+def test_mla_segments_are_independent():
+    cfg = small_config()
+    layer, x, seg = MLALayer(cfg), _x(10, cfg.d_model), _segments()
+    v = _init(layer, x)
+    packed = layer.apply(v, x, segment_ids=seg)
+    for b in range(B):
+        for s in np.unique(seg[b]):
+            idx = np.where(seg[b] == s)[0]
+            assert rel_rms(layer.apply(v, x[b:b + 1, idx])[0], packed[b, idx]) < FP32_TOL

@@ -1,0 +1,106 @@
+"""Model-level contract: shapes, causality, packing, scan vs unrolled, remat, presets by eval_shape."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import small_config
+from k3jax.model import K3Model, abstract_variables, init_variables
+from k3jax.ops.tolerance import FP32_TOL, rel_rms
+from k3jax.stack import plan_stack, unroll_params
+
+B, T = 2, 20
+
+
+def _tokens(key=0, t=T, vocab=64):
+    return jax.random.randint(jax.random.key(key), (B, t), 0, vocab)
+
+
+def _apply(cfg, variables, tokens, **kw):
+    return K3Model(cfg).apply(variables, tokens, **kw)
+
+
+def test_logits_shape_dtype_and_finite():
+    cfg = small_config()
+    v = init_variables(cfg, jax.random.key(0))
+    logits = _apply(cfg, v, _tokens())
+    assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_changing_a_future_token_never_changes_an_earlier_output():
+    cfg = small_config()
+    v = init_variables(cfg, jax.random.key(1))
+    tokens = _tokens(1)
+    base = _apply(cfg, v, tokens)
+    for t in (3, 11, T - 1):
+        changed = _apply(cfg, v, tokens.at[:, t].set((tokens[:, t] + 7) % cfg.vocab_size))
+        np.testing.assert_array_equal(np.asarray(base[:, :t]), np.asarray(changed[:, :t]))
+        assert not np.allclose(base[:, t], changed[:, t])
+
+
+def test_packed_documents_equal_documents_run_alone():
+    cfg = small_config()
+    v = init_variables(cfg, jax.random.key(2))
+    tokens = _tokens(2)
+    seg = jnp.asarray(np.repeat(np.array([[0] * 7 + [1] * 9 + [2] * 4]), B, 0), jnp.int32)
+    packed = _apply(cfg, v, tokens, segment_ids=seg)
+    for s in range(3):
+        idx = np.where(np.asarray(seg[0]) == s)[0]
+        alone = _apply(cfg, v, tokens[:, idx])
+        assert rel_rms(alone, packed[:, idx]) < FP32_TOL
+
+
+def test_scanned_stack_equals_unrolled_stack():
+    cfg = small_config(num_layers=9)
+    plan = plan_stack(cfg)
+    assert plan.repeats >= 2, plan
+    v = init_variables(cfg, jax.random.key(3))
+    unrolled_cfg = cfg.replace(scan_layers=False)
+    v_unrolled = {"params": unroll_params(cfg, v["params"])}
+    want = jax.tree.map(jnp.shape, abstract_variables(unrolled_cfg)["params"])
+    assert jax.tree.map(jnp.shape, v_unrolled["params"]) == want
+    tokens = _tokens(3)
+    assert rel_rms(_apply(unrolled_cfg, v_unrolled, tokens), _apply(cfg, v, tokens)) < FP32_TOL
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_gives_the_same_values_and_gradients(policy):
+    cfg = small_config(num_layers=9)
+    v = init_variables(cfg, jax.random.key(4))
+    tokens = _tokens(4)
+
+    def loss(params, c):
+        logits = _apply(c, {"params": params}, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, tokens[..., None], -1)[..., 0])
+
+    l0, g0 = jax.value_and_grad(loss)(v["params"], cfg)
+    l1, g1 = jax.value_and_grad(loss)(v["params"], cfg.replace(remat=policy))
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert rel_rms(a, b) < FP32_TOL
+
+
+def test_bad_tokens_are_rejected_before_tracing():
+    cfg = small_config()
+    v = init_variables(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="tokens must be an integer array"):
+        _apply(cfg, v, jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="segment_ids"):
+        _apply(cfg, v, jnp.zeros((2, 4), jnp.int32), segment_ids=jnp.zeros((2, 5), jnp.int32))
+
+
+PRESETS = ["k3_tiny", "k3_small", "kimi_linear_48b", "k3_full"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_traces_with_eval_shape(name):
+    cfg = importlib.import_module(f"configs.{name}").model_config()
+    variables = abstract_variables(cfg)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    out = jax.eval_shape(lambda v, t: K3Model(cfg).apply(v, t), variables, tokens)
+    assert out.shape == (1, 8, cfg.vocab_size) and out.dtype == jnp.float32
