@@ -1,0 +1,42 @@
+"""Small helpers shared by the Mosaic GPU KDA kernels (jax 0.11.2 ``plgpu`` API)."""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+WG = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
+
+
+def tiles(shape: tuple[int, ...]) -> plgpu.SMEM:
+    """bf16 SMEM with (8, 64) tiles and the 128-byte swizzle: a WGMMA operand, plain or transposed.
+
+    Every bf16 operand of these kernels has a minor dimension that is a multiple of 64, so one
+    tiling serves all of them (WGMMA needs lhs and rhs swizzles to match).
+    """
+    return plgpu.SMEM(shape, BF16, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def load(ref, layout=WG) -> jax.Array:
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def matmul(shape: tuple[int, int], *pairs) -> jax.Array:
+    """``sum(a @ b for a, b in pairs)`` on the tensor cores, fp32 accumulator (SMEM operands)."""
+
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+
+
+def kernel(body, name: str, interpret: bool, **kwargs):
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(body, kernel_name=name, compiler_params=params,
+                        interpret=plgpu.InterpretGPUParams() if interpret else None, **kwargs)

@@ -1,0 +1,133 @@
+"""KDA on Hopper: chunked forward and backward with the serial state pass as Mosaic GPU kernels.
+
+``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
+chunked form of SPEC 3.3, in three parts:
+
+1. :func:`pallas_kernels.kda_prep.prepare` (plain JAX under XLA): padding, segment masks, the gates'
+   chunk-local cumsum, the intra-chunk score matrices, the triangular inverse, ``W, U, Qg, Kg``.
+2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
+   and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
+3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.
+
+Parts 2 and 3 are joined by ``jax.custom_vjp``; part 1 is differentiated by JAX's autodiff, so
+every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
+the kernels' matmul operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are
+therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda_prep import pad_time, prepare
+from pallas_kernels.kda_state_bwd import state_bwd
+from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
+
+HEAD_DIMS = (64, 128)
+CHUNK_SIZES = (64,)
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
+
+
+def _bf16(x):
+    return x.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
+    o, final, _, _ = state_fwd(_bf16(qg), _bf16(kg), _bf16(w), u, _bf16(aqk), gamma, h0,
+                               chunk_size=chunk_size, interpret=interpret)
+    return o, final
+
+
+def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
+    qg, kg, w, aqk = _bf16(qg), _bf16(kg), _bf16(w), _bf16(aqk)
+    o, final, states, vt = state_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
+    return (o, final), (qg, kg, w, aqk, gamma, states, vt)
+
+
+def _state_pass_bwd(chunk_size, interpret, res, cts):
+    qg, kg, w, aqk, gamma, states, vt = res
+    do, dfinal = cts
+    dqg, dkg, dw, daqk, dgam, du, dh0 = state_bwd(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
+                                                  dfinal.astype(jnp.float32), chunk_size=chunk_size,
+                                                  interpret=interpret)
+    return dqg.sum(0), dkg.sum(0), dw.sum(0), du, daqk.sum(0), dgam.sum(0), dh0
+
+
+_state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
+    """Raise a ValueError naming the argument when the inputs are malformed (before tracing)."""
+    if q.ndim != 4:
+        raise ValueError(f"kda_pallas: q must be [B, T, H, K], got shape {q.shape}")
+    b, t, h, dk = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"kda_pallas: k and g must have q's shape {q.shape}, got {k.shape} and {g.shape}")
+    if v.ndim != 4 or v.shape[:3] != (b, t, h):
+        raise ValueError(f"kda_pallas: v must be [B, T, H, V] with B, T, H = {(b, t, h)}, got {v.shape}")
+    if beta.shape != (b, t, h):
+        raise ValueError(f"kda_pallas: beta must be [B, T, H] = {(b, t, h)}, got {beta.shape}")
+    if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
+        raise ValueError(f"kda_pallas: initial_state must be [B, H, K, V] = {(b, h, dk, v.shape[-1])}, "
+                         f"got {initial_state.shape}")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(f"kda_pallas: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"kda_pallas: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    if dk not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"kda_pallas: head dims K, V must be in {HEAD_DIMS}, got K={dk}, V={v.shape[-1]}")
+
+
+def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
+               chunk_size=64, interpret=False):
+    """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
+
+    Args:
+      q, k, g: ``[B, T, H, K]`` (q, k already L2-normalised; ``g`` the log-decay, ``<= 0``).
+      v: ``[B, T, H, V]``.  beta: ``[B, T, H]``.
+      scale: multiplies q inside the op.
+      initial_state: optional ``[B, H, K, V]`` (taken in fp32).
+      output_final_state: return the final state (else ``None``).
+      segment_ids: optional integer ``[B, T]``; the state restarts from zero where the id changes.
+      chunk_size: 64.
+      interpret: run the kernels in the Mosaic GPU interpreter (CPU tests).
+
+    Returns:
+      ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
+    """
+    _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids)
+    h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)
+    o = jnp.swapaxes(o, 1, 2)[:, :t].astype(q.dtype)
+    return o, (final if output_final_state else None)
+
+
+@functools.cache
+def _on_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", None) == "9.0"
+
+
+def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64) -> bool:
+    """True only for calls the GPU tests cover: an sm_90 GPU, bf16 q/k/v, K and V in {64, 128},
+    chunk 64, well-formed shapes (with or without an initial state and segment_ids)."""
+    try:
+        _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    except ValueError:
+        return False
+    dtypes_ok = all(jnp.dtype(x.dtype) in INPUT_DTYPES for x in (q, k, v))
+    return dtypes_ok and v.shape[-1] % BLOCK_V == 0 and _on_hopper()
+
+
+__all__ = ["kda_pallas", "supports", "pad_time"]
