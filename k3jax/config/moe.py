@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from k3jax.config.base import fail, one_of, positive, require
 
+# "quantile": exact Quantile Balancing (sort); "quantile_hist": K3's histogram version.
 BALANCING = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 DISPATCH = ("ragged", "dense", "all_to_all", "ring", "ragged_all_to_all")
 
@@ -16,7 +17,10 @@ class MoEConfig:
 
     ``latent_dim`` set: Stable LatentMoE (K3) with experts at latent width between ``W_down`` and
     ``W_up``; ``latent_norm`` is the RMSNorm before ``W_up``. ``latent_dim=None``: the plain K2 /
-    Kimi Linear MoE with experts at full width.
+    Kimi Linear MoE with experts at full width. ``shared_intermediate=0`` means no shared MLP.
+    ``aux_loss_alpha`` is used only by ``balancing="aux_loss"``, ``aux_free_gamma`` only by
+    ``"aux_free"``, ``qb_bins`` only by ``"quantile_hist"``; ``capacity_factor`` only by the
+    expert-parallel dispatches (``None`` = dropless).
     """
 
     num_experts: int = 8
@@ -42,12 +46,24 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             fail(self, "top_k", self.top_k,
                  f"cannot route to more experts than exist (num_experts={self.num_experts})")
+        if self.balancing in ("quantile", "quantile_hist") and self.top_k == self.num_experts:
+            fail(self, "top_k", self.top_k,
+                 "Quantile Balancing needs top_k < num_experts (its cutoff is the (k+1)-th score)")
         if self.latent_dim is not None:
             positive(self, "latent_dim")
         require(self.shared_intermediate >= 0, self, "shared_intermediate", "expected >= 0")
         require(self.routed_scaling_factor > 0, self, "routed_scaling_factor", "expected > 0")
         one_of(self, "activation", ("swiglu", "situ_glu"))
+        require(self.situ_beta_gate > 0, self, "situ_beta_gate", "expected > 0")
+        require(self.situ_beta_up > 0, self, "situ_beta_up", "expected > 0")
         one_of(self, "balancing", BALANCING)
+        require(self.qb_bins >= 2, self, "qb_bins", "expected at least 2 histogram bins")
+        require(self.aux_free_gamma > 0, self, "aux_free_gamma", "expected > 0")
+        require(self.aux_loss_alpha >= 0, self, "aux_loss_alpha", "expected >= 0")
         one_of(self, "dispatch", DISPATCH)
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             fail(self, "capacity_factor", self.capacity_factor, "expected None (dropless) or > 0")
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent_dim is not None
