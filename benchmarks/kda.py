@@ -1,0 +1,157 @@
+"""KDA kernel benchmark: ours (Pallas Mosaic GPU), our chunked JAX op, fla's chunk_kda, jla's KDA.
+
+One JSON line per (implementation, shape) with forward and forward+backward median milliseconds,
+each peer's time over ours, and our achieved TFLOP/s and GB/s against the H200 roofline.
+
+Inputs (issue 6): bf16 q, k, v (q, k L2-normalised before timing, so no implementation pays for
+it), lower-bound gate ``g = -5 sigmoid(f)`` in fp32, ``beta = sigmoid(.)``, no initial state,
+chunk 64. JAX paths are jitted and timed as the median of 5 batches of 20 calls after compilation
+(host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).
+
+    python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPES = ((1, 8192, 16, 128), (8, 4096, 16, 128), (2, 8192, 64, 128), (1, 32768, 16, 128))
+PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~790, HBM3e 4.8 TB/s
+
+
+def flops(b, t, h, d, c=64):
+    """As-implemented forward FLOPs (SPEC 3.3): ``6KV + 2K(C+16) + 2CK + 4CV + C^2/3`` per token-head."""
+    per = 6 * d * d + 2 * d * (c + 16) + 2 * c * d + 4 * c * d + c * c / 3
+    return b * t * h * per
+
+
+def min_bytes(b, t, h, d):
+    """Unavoidable forward traffic: read q, k, v (bf16), g (fp32), beta; write o (bf16)."""
+    return b * t * h * (3 * d * 2 + d * 4 + 4 + d * 2)
+
+
+def make_inputs(b, t, h, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(jax.random.normal(ks[0], (b, t, h, d), jnp.float32)).astype(jnp.bfloat16)
+    k = unit(jax.random.normal(ks[1], (b, t, h, d), jnp.float32)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h, d), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h), jnp.float32))
+    return q, k, v, g, beta
+
+
+def time_jax(fn, args, batches=5, calls=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(times)
+
+
+def jax_pair(op, args):
+    """(fwd ms, fwd+bwd ms) of a JAX ``op(q, k, v, g, beta) -> o``."""
+    fwd = jax.jit(op)
+
+    def loss(q, k, v, g, beta):
+        return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32))
+
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return time_jax(fwd, args), time_jax(fb, args)
+
+
+def ours(q, k, v, g, beta):
+    from pallas_kernels.kda import kda_pallas
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
+
+
+def chunked(q, k, v, g, beta):
+    from k3jax.ops.kda_chunked import kda_chunked
+    return kda_chunked(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
+
+
+def jla_kda(q, k, v, g, beta):
+    from jla.ops.mosaic_gpu.kda import kda
+    return kda(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
+
+
+def fla_pair(args):
+    import torch
+    import triton
+    from fla.ops.kda import chunk_kda
+
+    tq, tk, tv, tg, tb = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda() for x in args)
+    tq, tk, tv = (x.to(torch.bfloat16).requires_grad_() for x in (tq, tk, tv))
+    tg, tb = tg.requires_grad_(), tb.to(torch.bfloat16).requires_grad_()
+    scale = tq.shape[-1] ** -0.5
+    fwd = lambda: chunk_kda(tq, tk, tv, tg, tb, scale=scale)[0]
+
+    def fb():
+        o = fwd()
+        o.float().sum().backward()
+
+    return (triton.testing.do_bench(fwd, return_mode="median"),
+            triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
+    ap.add_argument("--impls", default="ours_pallas,ours_chunked_jax,jla,fla",
+                    help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
+    dev = jax.devices()[0]
+    lines = []
+    for shape in shapes:
+        args = make_inputs(*shape)
+        results = {}
+        impls = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
+                 "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}
+        for name in a.impls.split(","):
+            run = impls[name]
+            try:
+                results[name] = run()
+            except Exception as e:  # a peer not installed or failing: record why, keep going
+                results[name] = None
+                print(json.dumps({"impl": name, "shape": shape, "error": f"{type(e).__name__}: {e}"[:300]}),
+                      flush=True)
+        base = results.get("ours_pallas")
+        for name, r in results.items():
+            if r is None:
+                continue
+            rec = {"impl": name, "shape": list(shape), "device": dev.device_kind, "fwd_ms": round(r[0], 4),
+                   "fwd_bwd_ms": round(r[1], 4)}
+            if base is not None:
+                rec["fwd_ratio_vs_ours"] = round(r[0] / base[0], 3)
+                rec["fwd_bwd_ratio_vs_ours"] = round(r[1] / base[1], 3)
+            if name == "ours_pallas":
+                f, by = flops(*shape), min_bytes(*shape)
+                rec["fwd_tflops"] = round(f / r[0] / 1e9, 2)
+                rec["fwd_tflops_frac_of_800"] = round(f / r[0] / 1e9 / PEAK_TFLOPS, 4)
+                rec["fwd_min_bytes_gbps"] = round(by / r[0] / 1e6, 1)
+                rec["fwd_bw_frac_of_4.8TBps"] = round(by / r[0] / 1e9 / PEAK_TBPS, 4)
+            line = json.dumps(rec)
+            print(line, flush=True)
+            lines.append(line)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

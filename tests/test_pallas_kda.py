@@ -1,0 +1,138 @@
+"""Pallas (Mosaic GPU) KDA kernels in the CPU interpreter against the fp32 recurrence (SPEC 3.2).
+
+Small shapes; inputs are bf16-representable, the reference runs in fp32 on the same values, so
+the SPEC 10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands, fp32 state).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax.ops.kda_reference import kda_reference
+from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
+from pallas_kernels.kda import kda_pallas, supports
+from pallas_kernels.kda_prep import prepare, state_pass_reference
+from pallas_kernels.kda_state_bwd import state_bwd
+from pallas_kernels.kda_state_fwd import state_fwd
+
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+def _bf(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _inputs(seed, b, t, h, dk, dv, gate):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = _bf(unit(jax.random.normal(ks[0], (b, t, h, dk))))
+    k = _bf(unit(jax.random.normal(ks[1], (b, t, h, dk))))
+    v = _bf(jax.random.normal(ks[2], (b, t, h, dv)))
+    f = jax.random.normal(ks[3], (b, t, h, dk))
+    # lower-bound form (K3, -5) or a strong softplus form (decays past 88 nats within a chunk)
+    g = -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+    h0 = jax.random.normal(ks[5], (b, h, dk, dv))
+    do = jax.random.normal(ks[6], (b, t, h, dv))
+    dfin = jax.random.normal(ks[7], (b, h, dk, dv))
+    return (q, k, v, _bf(g), _bf(beta), h0), do, dfin
+
+
+def _loss(fn, do, dfin):
+    def f(*args):
+        o, fin = fn(*args)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(fin * dfin)
+    return f
+
+
+def _check_all(args, seg, do, dfin):
+    dk = args[0].shape[-1]
+    scale = dk**-0.5
+    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                                     segment_ids=seg)
+    ker = lambda q, k, v, g, beta, h0: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale,
+                                                  initial_state=h0, segment_ids=seg, output_final_state=True,
+                                                  interpret=True)
+    (ro, rf), (o, f) = ref(*args), ker(*args)
+    assert o.dtype == jnp.bfloat16 and o.shape == ro.shape
+    assert rel_rms(ro, o) <= BF16_OUT_TOL
+    assert rel_rms(rf, f) <= BF16_OUT_TOL
+    rg = jax.grad(_loss(ref, do, dfin), argnums=tuple(range(6)))(*args)
+    kg = jax.grad(_loss(ker, do, dfin), argnums=tuple(range(6)))(*args)
+    for name, r, x in zip(NAMES, rg, kg):
+        tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
+
+
+def _bf16(x):
+    return x.astype(jnp.bfloat16)
+
+
+def test_prep_matches_reference_fp32_softplus_segments():
+    """The token-parallel part plus the plain-JAX state pass equals the recurrence (fp32), for a
+    softplus gate whose 16-token decays exceed fp32's exp range, with packed segments."""
+    args, _, _ = _inputs(0, 2, 150, 2, 64, 64, "softplus")
+    q, k, v, g, beta, h0 = args
+    assert float(jnp.min(jnp.sum(g[:, :16], axis=1))) < -88.0  # the overflow regime is exercised
+    seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(9), 0.03, (2, 150)), axis=1)
+    ro, rf = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0, segment_ids=seg)
+    p = prepare(q, k, v, g, beta, scale=0.125, chunk_size=64, segment_ids=seg)
+    o, f = state_pass_reference(p, h0, 64)
+    assert rel_rms(ro, jnp.swapaxes(o, 1, 2)[:, :150]) <= FP32_TOL
+    assert rel_rms(rf, f) <= FP32_TOL
+
+
+def test_state_kernels_match_plain_jax():
+    """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
+    same bf16-rounded operands (isolates the kernels from the token-parallel part)."""
+    args, _, _ = _inputs(1, 1, 128, 1, 64, 64, "lower_bound")
+    p = prepare(*args[:5], scale=0.125, chunk_size=64)
+    p = p._replace(qg=_bf(p.qg), kg=_bf(p.kg), w=_bf(p.w), aqk=_bf(p.aqk))
+    h0 = args[5]
+    (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, h0)
+    do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
+    dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
+    rp, rh0 = vjp((do, dfin))
+    o, f, st, vt = state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
+                             chunk_size=64, interpret=True)
+    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+    dqg, dkg, dw, da, dgam, du, dh0 = state_bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma,
+                                                st, vt, _bf16(do), dfin, chunk_size=64, interpret=True)
+    pairs = [(rp.qg, dqg.sum(0)), (rp.kg, dkg.sum(0)), (rp.w, dw.sum(0)), (rp.aqk, da.sum(0)),
+             (rp.gamma, dgam.sum(0)), (rp.u, du), (rh0, dh0)]
+    for r, x in pairs:
+        assert rel_rms(r, x) <= BF16_GRAD_QKV_TOL
+
+
+@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)])
+def test_kda_pallas_values_and_gradients(gate, segments):
+    """End to end (padding T=100 to 128, initial and final state): values and all six gradients."""
+    args, do, dfin = _inputs(2, 1, 100, 1, 64, 64, gate)
+    seg = jnp.array([[0] * 30 + [1] * 50 + [2] * 20]) if segments else None
+    _check_all(args, seg, do, dfin)
+
+
+def test_kda_pallas_head_dim_128_two_value_tiles():
+    """K = V = 128: two value tiles per head (the backward sums their partial products)."""
+    args, do, dfin = _inputs(5, 1, 64, 1, 128, 128, "lower_bound")
+    ref = kda_reference(*args[:5], scale=128**-0.5, initial_state=args[5])
+    o, f = kda_pallas(*(_bf16(x) for x in args[:3]), *args[3:5], scale=128**-0.5, initial_state=args[5],
+                      output_final_state=True, interpret=True)
+    assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
+
+
+def test_bad_inputs_raise_and_supports_is_fail_closed():
+    q = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+    v = jnp.zeros((1, 8, 1, 48), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head dims"):
+        kda_pallas(q, q, v, q, jnp.zeros((1, 8, 1)), scale=1.0)
+    with pytest.raises(ValueError, match="beta"):
+        kda_pallas(q, q, q, q, jnp.zeros((1, 8)), scale=1.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_pallas(q, q, q, q, jnp.zeros((1, 8, 1)), scale=1.0, chunk_size=32)
+    assert not supports(q, q, v, q, jnp.zeros((1, 8, 1)))
+    assert not supports(q.astype(jnp.float32), q, q, q, jnp.zeros((1, 8, 1)))  # fp32 not claimed
+    if jax.devices()[0].platform == "cpu":
+        assert not supports(q, q, q, q, jnp.zeros((1, 8, 1)))  # kernels need an sm_90 GPU

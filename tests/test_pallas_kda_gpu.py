@@ -1,0 +1,89 @@
+"""Pallas (Mosaic GPU) KDA kernels compiled for an sm_90 GPU, at real sizes (skips without one).
+
+Same checks as tests/test_pallas_kda.py (values and all gradients against the fp32 recurrence with
+the SPEC 10 bf16 tolerances), compiled for the GPU instead of interpreted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax.ops.kda_reference import kda_reference
+from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
+from pallas_kernels.kda import kda_pallas, supports
+
+
+def _hopper():
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
+
+
+pytestmark = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (H100/H200) GPU")
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+def _bf(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _inputs(seed, b, t, h, d, gate):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = _bf(unit(jax.random.normal(ks[0], (b, t, h, d))))
+    k = _bf(unit(jax.random.normal(ks[1], (b, t, h, d))))
+    v = _bf(jax.random.normal(ks[2], (b, t, h, d)))
+    f = jax.random.normal(ks[3], (b, t, h, d))
+    g = -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
+    beta = _bf(jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))))
+    h0 = jax.random.normal(ks[5], (b, h, d, d))
+    do = jax.random.normal(ks[6], (b, t, h, d))
+    dfin = jax.random.normal(ks[7], (b, h, d, d))
+    return (q, k, v, _bf(g), beta, h0), do, dfin
+
+
+@pytest.mark.parametrize("d,t,gate,segments", [(128, 1000, "lower_bound", False), (64, 777, "softplus", True),
+                                               (128, 2048, "softplus", True)])
+def test_values_and_gradients_on_gpu(d, t, gate, segments):
+    args, do, dfin = _inputs(d + t, 2, t, 4, d, gate)
+    seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1) if segments
+           else None)
+    scale = d**-0.5
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    assert supports(bf16(args[0]), bf16(args[1]), bf16(args[2]), args[3], args[4], initial_state=args[5],
+                    segment_ids=seg)
+
+    def ref(q, k, v, g, beta, h0):
+        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+
+    def ker(q, k, v, g, beta, h0):
+        return kda_pallas(bf16(q), bf16(k), bf16(v), g, beta, scale=scale, initial_state=h0, segment_ids=seg,
+                          output_final_state=True)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do) + jnp.sum(fn(*a)[1] * dfin)
+
+    ro, rf = jax.jit(ref)(*args)
+    o, f = jax.jit(ker)(*args)
+    assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
+    assert rel_rms(rf, f) <= BF16_OUT_TOL, rel_rms(rf, f)
+    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
+    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
+    errs = {n: rel_rms(r, x) for n, r, x in zip(NAMES, rg, kg)}
+    print(d, t, gate, segments, "o", rel_rms(ro, o), "final", rel_rms(rf, f), errs)
+    for n, e in errs.items():
+        assert e <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, e)
+
+
+def test_repeatable_on_gpu():
+    """Two runs on the same inputs agree bit for bit (a race would move the result)."""
+    args, _, _ = _inputs(3, 1, 4096, 8, 128, "lower_bound")
+    fn = jax.jit(lambda q, k, v, g, beta: kda_pallas(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                                     v.astype(jnp.bfloat16), g, beta, scale=128**-0.5)[0])
+    a, b = fn(*args[:5]), fn(*args[:5])
+    assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+    assert bool(jnp.array_equal(a, b))
