@@ -59,8 +59,8 @@ def test_ragged_matches_dense_values_and_grads(act):
 
     out_r, out_d = ragged_dispatch(x, ids, w, ex, act), dense_dispatch(x, ids, w, ex, act)
     assert rel_rms(out_d, out_r) <= FP32_TOL
-    g_r = jax.grad(loss(ragged_dispatch), argnums=(0, 1, 2))(x, w, ex)
-    g_d = jax.grad(loss(dense_dispatch), argnums=(0, 1, 2))(x, w, ex)
+    g_r = jax.jit(jax.grad(loss(ragged_dispatch), argnums=(0, 1, 2)))(x, w, ex)
+    g_d = jax.jit(jax.grad(loss(dense_dispatch), argnums=(0, 1, 2)))(x, w, ex)
     for name, a, b in zip(["x", "weights", "w_gate", "w_up", "w_down"],
                           jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
         assert rel_rms(a, b) <= FP32_TOL, name
@@ -117,8 +117,8 @@ def test_block_bias_shift_keeps_output_and_large_bias_changes_selection():
     cfg = _block_cfg()
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     v = _init(cfg, x)
-    f = lambda bias: MoEBlock(cfg).apply({**v, "balance": {"bias": bias}}, x,  # noqa: E731
-                                         deterministic=True)
+    f = jax.jit(lambda bias: MoEBlock(cfg).apply({**v, "balance": {"bias": bias}}, x,
+                                                 deterministic=True))
     y0 = f(jnp.zeros(8))
     np.testing.assert_array_equal(f(jnp.full(8, 0.37)), y0)     # common shift: same top-k
     assert rel_rms(y0, f(jnp.zeros(8).at[3].set(5.0))) > 1e-2     # forced expert: other output
@@ -135,8 +135,8 @@ def test_block_ragged_matches_dense(latent):
         return lambda p, x: jnp.sum(jnp.sin(MoEBlock(c).apply({**v, "params": p}, x,
                                                               deterministic=True)))
 
-    (lr, (gp_r, gx_r)) = jax.value_and_grad(loss(cfg), argnums=(0, 1))(v["params"], x)
-    (ld, (gp_d, gx_d)) = jax.value_and_grad(loss(dense_cfg), argnums=(0, 1))(v["params"], x)
+    (lr, (gp_r, gx_r)) = jax.jit(jax.value_and_grad(loss(cfg), argnums=(0, 1)))(v["params"], x)
+    (ld, (gp_d, gx_d)) = jax.jit(jax.value_and_grad(loss(dense_cfg), argnums=(0, 1)))(v["params"], x)
     assert abs(float(lr - ld)) <= FP32_TOL * abs(float(ld))
     assert rel_rms(gx_d, gx_r) <= FP32_TOL
     for a, b in zip(jax.tree.leaves(gp_d), jax.tree.leaves(gp_r)):
