@@ -16,14 +16,15 @@ sub-block: pairs in different sub-blocks are factorised at the row block's first
 (``exp(G_r - G_a) * exp(G_a - G_j)``, both exponents ``<= 0``), pairs inside one sub-block are computed
 elementwise with the causal mask applied before the ``exp``. Each exponent is summed from cumulative
 sums local to a sub-block (or to the chunk's end), never as a difference of two chunk-wide sums of
-~300 nats, whose rounding would otherwise cost ~1e-5 relative accuracy in ``d(g)``. Everything runs in fp32 with true-fp32
-matmuls; the output is cast to the input dtype and the state stays fp32.
+~300 nats, whose rounding would otherwise cost ~1e-5 relative accuracy in ``d(g)``. Everything runs
+in fp32 with true-fp32 matmuls; the output is cast to the input dtype and the state stays fp32.
 
 Packed segments are handled exactly by masks, not by a huge negative gate (which would wipe out the
 fp32 precision of every later cumulative sum in the chunk): with ``R`` the running count of segment
 starts inside the chunk, a relative decay from ``j`` to ``r`` is kept only if ``R_r == R_j``, the
 incoming state reaches row ``r`` only if ``R_r == 0``. Masked exponents become ``-inf`` before ``exp``,
-so their gradients are exactly zero, as is the gradient w.r.t. the gate at a segment's first token.
+so their gradients are exactly zero. The gate at a segment's first token decays a state that is
+zeroed anyway; it is replaced by 0 so that its gradient is exactly zero, as in the recurrence.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None
     pad = n * c - t
 
     resets = (jnp.zeros((b, t), bool) if segment_ids is None else segment_starts(segment_ids))
+    g = jnp.where(resets[:, :, None, None], 0.0, g.astype(f32))          # decays a zeroed state
     # Padded tokens: g = 0 (no decay), k = v = beta = 0 (no write), no reset: they change nothing.
     q, k, v, g, beta, resets = (_pad_time(x, pad) for x in (q, k, v, g, beta, resets))
     q = _to_chunks(q.astype(f32), n, c) * scale                          # [B, H, N, C, K]

@@ -1,0 +1,188 @@
+"""Kimi Delta Attention: the public op (SPEC 3.2-3.4) and its fail-closed dispatch.
+
+Three implementations compute the same thing:
+
+- ``"reference"``: token-by-token recurrence (:mod:`k3jax.ops.kda_reference`), the test oracle;
+- ``"chunked"``: the chunked algorithm in pure JAX (:mod:`k3jax.ops.kda_chunked`), any backend;
+- ``"pallas"``: Mosaic GPU kernels (:mod:`pallas_kernels.kda`, imported lazily).
+
+``"auto"`` takes the kernel only on an sm_90 GPU and only for calls its own ``supports`` accepts (the
+shapes and options its GPU tests cover); everything else runs the chunked path -- slower, never wrong.
+Arguments are validated here, in Python, before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.kda_chunked import kda_chunked
+from k3jax.ops.kda_reference import kda_decode_step, kda_reference
+
+IMPLS = ("auto", "reference", "chunked", "pallas")
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+L2_EPS = 1e-6  # SPEC 3.1 step 3: added to the sum of squares
+
+
+def l2_normalize(x, eps=L2_EPS):
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last axis, computed in fp32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------- validation
+def _fail(fn, arg, got, expected):
+    raise ValueError(f"{fn}: {arg}={got} is invalid: expected {expected}")
+
+
+def _check_array(fn, name, x, rank, dims, float_dtype=True):
+    """``x`` must be an array of ``rank`` with a float (or integer) dtype and shape ``dims``.
+
+    ``dims`` is a tuple of (label, size or None); None means any size >= 1.
+    """
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    layout = "[" + ", ".join(label for label, _ in dims) + "]"
+    if shape is None or dtype is None:
+        _fail(fn, name, type(x).__name__, f"an array of shape {layout}")
+    if len(shape) != rank:
+        _fail(fn, f"{name}.shape", tuple(shape), f"rank {rank}: {layout}")
+    want = tuple(size if size is not None else "*" for _, size in dims)
+    if any(size is not None and s != size for s, (_, size) in zip(shape, dims)) or 0 in shape:
+        _fail(fn, f"{name}.shape", tuple(shape), f"{layout} = {want} (non-empty, matching q)")
+    if float_dtype and not any(dtype == d for d in FLOAT_DTYPES):
+        _fail(fn, f"{name}.dtype", str(dtype), "float32, bfloat16 or float16")
+    if not float_dtype and not jnp.issubdtype(dtype, jnp.integer):
+        _fail(fn, f"{name}.dtype", str(dtype), "an integer dtype")
+
+
+def _check_inputs(fn, q, k, v, g, beta, initial_state, segment_ids, token_axis):
+    """Shapes: with ``token_axis`` q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``,
+    segment_ids ``[B, T]``; without it the same minus T. initial_state ``[B, H, K, V]``."""
+    lead = ("B", "T", "H") if token_axis else ("B", "H")
+    _check_array(fn, "q", q, len(lead) + 1, tuple((a, None) for a in lead + ("K",)))
+    sizes = dict(zip(lead + ("K",), q.shape))
+    _check_array(fn, "v", v, len(lead) + 1, tuple((a, sizes[a]) for a in lead) + (("V", None),))
+    sizes["V"] = v.shape[-1]
+    spec = lambda *axes: tuple((a, sizes[a]) for a in axes)
+    _check_array(fn, "k", k, len(lead) + 1, spec(*lead, "K"))
+    _check_array(fn, "g", g, len(lead) + 1, spec(*lead, "K"))
+    _check_array(fn, "beta", beta, len(lead), spec(*lead))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(fn, "k.dtype/v.dtype", f"{k.dtype}/{v.dtype}", f"q's dtype {q.dtype}")
+    if initial_state is not None:
+        _check_array(fn, "initial_state" if token_axis else "state", initial_state, 4,
+                     spec("B", "H", "K", "V"))
+    if segment_ids is not None:
+        _check_array(fn, "segment_ids", segment_ids, 2, spec("B", "T"), float_dtype=False)
+
+
+def _check_options(fn, scale, chunk_size=None, impl=None):
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
+                              or not scale > 0):
+        _fail(fn, "scale", scale, "None or a positive real number")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        _fail(fn, "chunk_size", chunk_size, "a power of two >= 16")
+    if impl is not None and impl not in IMPLS:
+        _fail(fn, "impl", repr(impl), "one of " + ", ".join(map(repr, IMPLS)))
+
+
+# ------------------------------------------------------------------------------------- dispatch
+def _pallas_module():
+    """The Mosaic GPU kernels' module, or ImportError when it is absent or cannot load."""
+    import pallas_kernels.kda as module  # lazy: GPU-only dependencies stay out of CPU imports
+
+    return module
+
+
+def _on_sm90() -> bool:
+    """True when the default backend is a GPU of compute capability 9.x (Hopper)."""
+    if jax.default_backend() != "gpu":
+        return False
+    cap = getattr(jax.devices()[0], "compute_capability", "")
+    return str(cap).startswith("9")
+
+
+def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
+    """``"reference"``, ``"chunked"`` or the pallas module (fail-closed for ``"auto"``)."""
+    if impl == "pallas":
+        try:
+            return _pallas_module()
+        except ImportError as e:
+            raise ImportError(f"kda: impl='pallas' needs the module pallas_kernels.kda, which could "
+                              f"not be imported ({e}); use impl='chunked' or impl='auto'") from e
+    if impl == "auto" and _on_sm90():
+        try:
+            module = _pallas_module()
+        except ImportError:
+            return "chunked"
+        if module.supports(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+                           chunk_size=chunk_size):
+            return module
+    return "reference" if impl == "reference" else "chunked"
+
+
+# ---------------------------------------------------------------------------------- public ops
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False):
+    """Kimi Delta Attention over whole sequences (SPEC 3.2), FLA layout.
+
+    Args:
+      q, k: ``[B, T, H, K]``, already L2-normalised per head unless ``use_qk_l2norm``.
+      v: ``[B, T, H, V]``, same dtype as q and k (float32, bfloat16 or float16).
+      g: ``[B, T, H, K]`` log-decay (``<= 0``), any of those float dtypes (fp32 recommended).
+      beta: ``[B, T, H]`` write strength.
+      scale: multiplies q inside the op; defaults to ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``, cast to fp32.
+      output_final_state: return the fp32 state after the last token.
+      segment_ids: optional integer ``[B, T]``; the state resets to zero where the id changes.
+      chunk_size: chunk length ``C`` of the chunked and kernel paths, a power of two >= 16.
+      impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"pallas"``.
+      use_qk_l2norm: L2-normalise q and k per head first (SPEC 3.1 step 3).
+
+    Returns:
+      ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
+    """
+    _check_inputs("kda", q, k, v, g, beta, initial_state, segment_ids, token_axis=True)
+    _check_options("kda", scale, chunk_size, impl)
+    if not isinstance(output_final_state, bool):
+        _fail("kda", "output_final_state", output_final_state, "a bool")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+
+    path = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    if path == "reference":
+        o, final = kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 segment_ids=segment_ids)
+    elif path == "chunked":
+        o, final = kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               segment_ids=segment_ids, chunk_size=chunk_size)
+    else:
+        return path.kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, segment_ids=segment_ids,
+                               chunk_size=chunk_size)
+    return o, (final if output_final_state else None)
+
+
+def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """One decode step (SPEC 3.4): the recurrence step for one new token of every sequence.
+
+    Args:
+      q, k, g: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``; state: ``[B, H, K, V]`` (cast to
+        fp32). scale and use_qk_l2norm as in :func:`kda`.
+
+    Returns:
+      ``(o [B, H, V] in q's dtype, new_state [B, H, K, V] fp32)``.
+    """
+    _check_inputs("kda_decode", q, k, v, g, beta, state, None, token_axis=False)
+    _check_options("kda_decode", scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return kda_decode_step(q, k, v, g, beta, state.astype(jnp.float32), scale=scale)
+
+
+__all__ = ["IMPLS", "kda", "kda_decode", "l2_normalize"]

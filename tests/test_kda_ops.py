@@ -1,0 +1,335 @@
+"""KDA ops: the chunked path against the token-by-token reference, decode, dispatch, validation.
+
+The oracle is :func:`k3jax.ops.kda_reference.kda_reference` (SPEC 3.2, fp32), itself checked against
+a float64 NumPy loop. Gates are generated with the two formulas of SPEC 3.1 step 4. Errors are the
+relative RMS of SPEC 10 (:func:`k3jax.ops.tolerance.rel_rms`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops import kda as kda_module
+from k3jax.ops.kda import kda, kda_decode, l2_normalize
+from k3jax.ops.kda_chunked import kda_chunked
+from k3jax.ops.kda_reference import kda_reference
+from k3jax.ops.tolerance import (BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL,
+                                 rel_rms)
+
+# SPEC 10, by name: fp32 chunked vs recurrent <= FP32_TOL; bf16 inputs vs the fp32 reference:
+# outputs/states <= BF16_OUT_TOL, dq dk dv dh0 <= BF16_GRAD_QKV_TOL, dg dbeta <= BF16_GRAD_GATE_TOL.
+GRAD_TOLS_BF16 = (BF16_GRAD_QKV_TOL,) * 3 + (BF16_GRAD_GATE_TOL,) * 2 + (BF16_GRAD_QKV_TOL,)
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+H, DK, DV = 2, 16, 16
+CHUNK = 16  # small chunks keep CPU tests fast while still spanning several chunks per sequence
+SCALE = DK**-0.5
+
+
+# ------------------------------------------------------------------------------------ inputs
+def _inverse_softplus(x):
+    return x + np.log(-np.expm1(-x))
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def make_gate(kind, rng, shape):
+    """Log-decays ``[B, T, H, K]`` from the SPEC 3.1 gate formulas at or beyond their init range.
+
+    ``softplus``: ``-exp(A_log[h]) softplus(f)``, ``A_log = log U(1, 16)``, f spread around
+    ``dt_bias`` (per-token log-decays ~1e-4 .. ~30). ``lower_bound``: ``-5 sigmoid(exp(A_log) f)``,
+    ``A_log = 0``, f around ``dt_bias`` (weak, as at init). ``lower_bound_strong``: f pushed high, so
+    g sits near the bound -5.
+    """
+    b, t, h, dk = shape
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), (h, dk)))
+    dt_bias = _inverse_softplus(np.maximum(dt, 1e-4))
+    noise = rng.standard_normal(shape)
+    if kind == "softplus":
+        a_log = np.log(rng.uniform(1.0, 16.0, (h, 1)))
+        g = -np.exp(a_log) * _softplus(dt_bias + 2.0 * noise)
+    elif kind == "lower_bound":
+        g = -5.0 * _sigmoid(dt_bias + noise)
+    elif kind == "lower_bound_strong":
+        g = -5.0 * _sigmoid(6.0 + noise)
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(g, jnp.float32)
+
+
+def _unit(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def make_inputs(seed, b, t, gate="softplus", dtype=jnp.float32):
+    """q, k (L2-normalised), v, g (fp32), beta, h0 (fp32) and the output/state cotangents."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape)
+    q, k = _unit(normal(b, t, H, DK)), _unit(normal(b, t, H, DK))
+    v = normal(b, t, H, DV)
+    g = make_gate(gate, rng, (b, t, H, DK))
+    beta = _sigmoid(normal(b, t, H))
+    h0 = jnp.asarray(0.5 * normal(b, H, DK, DV), jnp.float32)
+    do, dh = (jnp.asarray(x, jnp.float32) for x in (normal(b, t, H, DV), normal(b, H, DK, DV)))
+    q, k, v, beta = (jnp.asarray(x, dtype) for x in (q, k, v, beta))
+    return (q, k, v, g, beta, h0), (do, dh)
+
+
+def packed_segments(b, t):
+    """Segment ids with resets in the middle of a chunk, on a chunk boundary, and none (row 2)."""
+    ids = np.zeros((b, t), np.int32)
+    ids[0, 7:] = 1
+    ids[0, 2 * CHUNK:] = 2
+    ids[0, t - 3:] = 3
+    if b > 1:
+        ids[1] = 5
+    return jnp.asarray(ids)
+
+
+def run_with_grads(impl, args, cots, segment_ids=None, chunk_size=CHUNK):
+    """``(o, final_state, grads)`` of ``sum(o * do) + sum(final * dh)`` w.r.t. q, k, v, g, beta, h0."""
+    def fn(q, k, v, g, beta, h0):
+        kw = dict(scale=SCALE, initial_state=h0, segment_ids=segment_ids)
+        if impl == "reference":
+            return kda_reference(q, k, v, g, beta, **kw)
+        return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+
+    @jax.jit
+    def go(args, cots):
+        (o, s), vjp = jax.vjp(fn, *args)
+        return o, s, vjp((cots[0].astype(o.dtype), cots[1]))
+
+    return go(args, cots)
+
+
+def assert_close(name, ref, out, tol):
+    assert np.all(np.isfinite(np.asarray(out, np.float32))), f"{name}: non-finite values"
+    err = rel_rms(ref, out)
+    assert err <= tol, f"{name}: rel_rms {err:.2e} > {tol:.0e}"
+
+
+# ----------------------------------------------------------------------------- the reference
+def numpy_recurrence(q, k, v, g, beta, h0, seg, scale):
+    """SPEC 3.2 in float64 NumPy, one token and one sequence at a time (independent of JAX)."""
+    q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
+    b, t, h, _ = q.shape
+    o, s = np.zeros(v.shape), h0.copy()
+    for i in range(b):
+        for j in range(t):
+            if j > 0 and seg[i, j] != seg[i, j - 1]:
+                s[i] = 0.0
+            for hh in range(h):
+                st = s[i, hh] * np.exp(g[i, j, hh])[:, None]
+                u = beta[i, j, hh] * (v[i, j, hh] - st.T @ k[i, j, hh])
+                st = st + np.outer(k[i, j, hh], u)
+                o[i, j, hh] = st.T @ (scale * q[i, j, hh])
+                s[i, hh] = st
+    return o, s
+
+
+def test_reference_matches_float64_numpy():
+    (q, k, v, g, beta, h0), _ = make_inputs(0, 2, 40, gate="lower_bound")
+    seg = packed_segments(2, 40)
+    o, s = kda_reference(q, k, v, g, beta, scale=SCALE, initial_state=h0, segment_ids=seg)
+    o64, s64 = numpy_recurrence(q, k, v, g, beta, h0, np.asarray(seg), SCALE)
+    assert_close("o", o64, o, FP32_TOL)
+    assert_close("state", s64, s, FP32_TOL)
+
+
+# ------------------------------------------------------------------ chunked vs reference, fp32
+@pytest.mark.parametrize("gate,t,segments", [
+    ("softplus", 40, True),             # T not a multiple of the chunk, packed sequences
+    ("lower_bound", 64, False),         # T a multiple of the chunk, weak K3 gate
+    ("lower_bound_strong", 40, False),  # g near -5: 80 nats per 16-row chunk
+    ("lower_bound_strong", 64, True),
+])
+def test_chunked_matches_reference_fp32(gate, t, segments):
+    args, cots = make_inputs(1, 2, t, gate=gate)
+    seg = packed_segments(2, t) if segments else None
+    ro, rs, rg = run_with_grads("reference", args, cots, seg)
+    co, cs, cg = run_with_grads("chunked", args, cots, seg)
+    assert_close("o", ro, co, FP32_TOL)
+    assert_close("final_state", rs, cs, FP32_TOL)
+    for name, r, c in zip(GRAD_NAMES, rg, cg):
+        assert_close(name, r, c, FP32_TOL)
+    if segments:  # the gate at a segment's first token decays a zeroed state: no gradient at all
+        starts = np.asarray(seg[:, 1:] != seg[:, :-1])
+        dg = np.asarray(cg[3])[:, 1:]
+        assert starts.sum() == 3 and np.all(dg[starts] == 0.0)
+        assert np.all(np.abs(dg[~starts]).sum(-1) > 0.0)
+
+
+def test_overflow_full_chunk_of_strongest_decay():
+    """Lower-bound gate at ~-5 everywhere over one 64-token chunk: ``G`` reaches -320 nats, where
+    ``exp(-G)`` overflows fp32; values and every gradient must stay finite and accurate."""
+    args, cots = make_inputs(2, 1, 64, gate="lower_bound_strong")
+    q, k, v, g, beta, h0 = args
+    g = jnp.full_like(g, -5.0)                                 # the bound itself
+    args = (q, k, v, g, beta, h0)
+    ro, rs, rg = run_with_grads("reference", args, cots)
+    co, cs, cg = run_with_grads("chunked", args, cots, chunk_size=64)
+    assert_close("o", ro, co, FP32_TOL)
+    assert_close("final_state", rs, cs, FP32_TOL)
+    for name, r, c in zip(GRAD_NAMES, rg, cg):
+        assert_close(name, r, c, FP32_TOL)
+
+
+# ------------------------------------------------------------------ chunked vs reference, bf16
+@pytest.mark.parametrize("gate,t,segments", [("softplus", 64, False), ("lower_bound_strong", 40, True)])
+def test_chunked_bf16_inputs_vs_fp32_reference(gate, t, segments):
+    args, cots = make_inputs(4, 2, t, gate=gate, dtype=jnp.bfloat16)
+    seg = packed_segments(2, t) if segments else None
+    ref_args = tuple(x.astype(jnp.float32) for x in args)  # the same (bf16-valued) inputs in fp32
+    ro, rs, rg = run_with_grads("reference", ref_args, cots, seg)
+    co, cs, cg = run_with_grads("chunked", args, cots, seg)
+    assert co.dtype == jnp.bfloat16 and cs.dtype == jnp.float32
+    assert_close("o", ro, co, BF16_OUT_TOL)
+    assert_close("final_state", rs, cs, BF16_OUT_TOL)
+    for name, r, c, tol in zip(GRAD_NAMES, rg, cg, GRAD_TOLS_BF16):
+        assert c.dtype == args[GRAD_NAMES.index(name)].dtype
+        assert_close(name, r, c, tol)
+
+
+# ------------------------------------------------------------------- state carry and decode
+@jax.jit
+def _chunked_with_state(q, k, v, g, beta, h0):
+    return kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=CHUNK,
+               impl="chunked")
+
+
+def test_split_run_with_carried_state_equals_one_run():
+    (q, k, v, g, beta, h0), _ = make_inputs(5, 2, 40, gate="lower_bound")
+    full, s_full = _chunked_with_state(q, k, v, g, beta, h0)
+    cut = 24  # the second part starts in the middle of a chunk of the whole run
+    o1, s1 = _chunked_with_state(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], h0)
+    o2, s2 = _chunked_with_state(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
+    assert_close("o", full, jnp.concatenate([o1, o2], axis=1), FP32_TOL)
+    assert_close("final_state", s_full, s2, FP32_TOL)
+
+
+def test_decode_steps_match_recurrence():
+    (q, k, v, g, beta, h0), _ = make_inputs(6, 2, 12, gate="softplus")
+    ro, rs = jax.jit(lambda *a: kda(*a, initial_state=h0, output_final_state=True,
+                                    impl="reference"))(q, k, v, g, beta)
+    step = jax.jit(lambda *a: kda_decode(*a))
+    state, outs = h0, []
+    for t in range(q.shape[1]):
+        o, state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(o)
+    assert state.dtype == jnp.float32
+    assert_close("o", ro, jnp.stack(outs, axis=1), FP32_TOL)
+    assert_close("state", rs, state, FP32_TOL)
+
+
+# ---------------------------------------------------------------------------- the public API
+def test_public_api_defaults_and_qk_normalisation():
+    (q, k, v, g, beta, _), _ = make_inputs(7, 1, 20, gate="lower_bound")
+    raw_q, raw_k = 3.0 * q + 0.1, -2.0 * k
+    run = jax.jit(kda, static_argnames=("chunk_size", "impl", "use_qk_l2norm"))
+    o, none = run(raw_q, raw_k, v, g, beta, use_qk_l2norm=True, chunk_size=CHUNK, impl="chunked")
+    assert none is None
+    q_n = l2_normalize(raw_q)
+    want, _ = jax.jit(kda_reference, static_argnames="scale")(q_n, l2_normalize(raw_k), v, g, beta,
+                                                               scale=DK**-0.5)
+    assert_close("o", want, o, FP32_TOL)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(q_n), axis=-1), 1.0, rtol=1e-5)
+    # "auto" on a CPU is the chunked path, bit for bit.
+    auto, _ = run(raw_q, raw_k, v, g, beta, use_qk_l2norm=True, chunk_size=CHUNK)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(o))
+
+
+def _fake_path(name, calls):
+    def run(q, k, v, g, beta, **kw):
+        calls.append((name, kw))
+        return jnp.zeros(v.shape, q.dtype), None
+
+    return run
+
+
+def _fake_pallas(supported, calls):
+    return types.SimpleNamespace(kda_pallas=_fake_path("pallas", calls),
+                                 supports=lambda *a, **kw: supported)
+
+
+def test_dispatch_is_fail_closed(monkeypatch):
+    """Which path runs, with the real paths replaced by recorders (no computation)."""
+    (q, k, v, g, beta, _), _ = make_inputs(8, 1, 16)
+    calls = []
+    monkeypatch.setattr(kda_module, "kda_chunked", _fake_path("chunked", calls))
+    path = lambda: calls[-1][0]
+    kda(q, k, v, g, beta)                                # a CPU: chunked
+    assert path() == "chunked"
+    monkeypatch.setattr(kda_module, "_on_sm90", lambda: True)
+    monkeypatch.setattr(kda_module, "_pallas_module", lambda: _fake_pallas(False, calls))
+    kda(q, k, v, g, beta)                                # the kernel declines the call
+    assert path() == "chunked"
+    monkeypatch.setattr(kda_module, "_pallas_module", lambda: _fake_pallas(True, calls))
+    kda(q, k, v, g, beta, output_final_state=True)       # the kernel accepts it
+    assert path() == "pallas"
+    assert set(calls[-1][1]) == {"scale", "initial_state", "output_final_state", "segment_ids",
+                                 "chunk_size"}
+
+    def missing():
+        raise ImportError("No module named 'pallas_kernels.kda'")
+
+    monkeypatch.setattr(kda_module, "_pallas_module", missing)
+    kda(q, k, v, g, beta)                                # kernels missing: "auto" still works
+    assert path() == "chunked"
+    with pytest.raises(ImportError, match="impl='pallas' needs the module pallas_kernels.kda"):
+        kda(q, k, v, g, beta, impl="pallas")
+
+
+# ------------------------------------------------------------------------------- validation
+S = jax.ShapeDtypeStruct  # shapes only: validation must reject these before any tracing
+F32, BF16 = jnp.float32, jnp.bfloat16
+Q = S((2, 8, H, DK), F32)
+V_ = S((2, 8, H, DV), F32)
+BETA = S((2, 8, H), F32)
+GOOD = dict(q=Q, k=Q, v=V_, g=Q, beta=BETA)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (dict(q=S((2, 8, DK), F32)), "q.shape"),                     # wrong rank
+    (dict(k=S((2, 8, H, DK + 1), F32)), "k.shape"),              # mismatched head dim
+    (dict(g=S((2, 8, H + 1, DK), F32)), "g.shape"),              # mismatched heads
+    (dict(v=S((2, 9, H, DV), F32)), "v.shape"),                  # mismatched T
+    (dict(beta=S((2, 8, H, 1), F32)), "beta.shape"),             # wrong rank
+    (dict(q=S((2, 8, H, DK), jnp.int32)), "q.dtype"),            # bad dtype
+    (dict(g=S((2, 8, H, DK), jnp.float64)), "g.dtype"),
+    (dict(k=S((2, 8, H, DK), BF16)), "k.dtype/v.dtype"),         # q, k, v must share a dtype
+    (dict(impl="triton"), "impl"),
+    (dict(chunk_size=48), "chunk_size"),
+    (dict(chunk_size=8), "chunk_size"),
+    (dict(segment_ids=S((2, 8), F32)), "segment_ids.dtype"),
+    (dict(segment_ids=S((2, 7), jnp.int32)), "segment_ids.shape"),
+    (dict(initial_state=S((2, H, DV, DK + 1), F32)), "initial_state.shape"),
+    (dict(scale=-1.0), "scale"),
+    (dict(output_final_state=1), "output_final_state"),
+])
+def test_validation_names_the_argument(change, argument):
+    kw = {**GOOD, **change}
+    with pytest.raises(ValueError, match=f"kda: {argument}=.* is invalid: expected"):
+        kda(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("g"), kw.pop("beta"), **kw)
+
+
+@pytest.mark.parametrize("change,argument", [
+    (dict(q=S((2, H, DK, 1), F32)), "q.shape"),
+    (dict(v=S((2, H + 1, DV), F32)), "v.shape"),
+    (dict(state=S((2, H, DK, DV + 1), F32)), "state.shape"),
+    (dict(beta=S((2, H), jnp.int8)), "beta.dtype"),
+])
+def test_decode_validation_names_the_argument(change, argument):
+    kw = {**dict(q=S((2, H, DK), F32), k=S((2, H, DK), F32), v=S((2, H, DV), F32),
+                 g=S((2, H, DK), F32), beta=S((2, H), F32), state=S((2, H, DK, DV), F32)), **change}
+    with pytest.raises(ValueError, match=f"kda_decode: {argument}=.* is invalid: expected"):
+        kda_decode(**kw)
