@@ -1,0 +1,16 @@
+"""Running the model over a device mesh: mesh, shardings, multi-process setup, expert parallelism.
+
+Importing the package registers the expert-parallel MoE dispatches (``all_to_all``, ``ring``,
+``ragged_all_to_all``) with :mod:`k3jax.ops.moe_dispatch`.
+"""
+
+from k3jax.parallel import ep_dispatch as _ep_dispatch  # noqa: F401  (registers the dispatches)
+from k3jax.parallel.distributed import (initialize_distributed, local_batch_rows,
+                                        make_global_batch)
+from k3jax.parallel.mesh import check_experts_fit, expert_axis_size, make_mesh, use_mesh
+from k3jax.parallel.sharding import (batch_sharding, batch_shards, constrain, init_sharded,
+                                     logical_to_sharding, shardings_of, variable_shardings)
+
+__all__ = ["batch_sharding", "batch_shards", "check_experts_fit", "constrain", "expert_axis_size",
+           "init_sharded", "initialize_distributed", "local_batch_rows", "logical_to_sharding",
+           "make_global_batch", "make_mesh", "shardings_of", "use_mesh", "variable_shardings"]

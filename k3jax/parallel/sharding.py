@@ -1,0 +1,85 @@
+"""Logical axis names -> ``NamedSharding`` through the rules table; sharded initialisation; batch
+and activation shardings.
+
+Every parameter carries logical names (``k3jax.layers.param``); :func:`variable_shardings` maps them
+through the rules table of :class:`~k3jax.config.mesh.MeshConfig`, and :func:`init_sharded` jits the
+initialiser with those ``out_shardings``, so each device materialises only its own shards (no full
+copy of the model on one device at any point).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.config.mesh import rule_axes
+from k3jax.model import init_variables, logical_axes
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def logical_to_sharding(specs, mesh: Mesh, rules):
+    """A tree of logical ``PartitionSpec`` (or None: replicated) -> a tree of ``NamedSharding``."""
+    def one(spec):
+        if spec is None:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), tuple(rules)))
+    return jax.tree.map(one, specs, is_leaf=_is_spec)
+
+
+def variable_shardings(model_cfg, mesh: Mesh, rules) -> dict:
+    """``NamedSharding`` of every model variable (``params`` by logical names; ``balance`` and any
+    unnamed variable replicated)."""
+    return logical_to_sharding(logical_axes(model_cfg), mesh, rules)
+
+
+def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array) -> dict:
+    """``init_variables`` jitted with ``out_shardings`` from the rules: parameters are created
+    already sharded over ``mesh``."""
+    shardings = variable_shardings(model_cfg, mesh, rules)
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda r: init_variables(model_cfg, r), out_shardings=shardings)(rng)
+
+
+def batch_axes(rules) -> tuple[str, ...]:
+    """Mesh axes that split the batch (the ``batch`` rule: every axis holding different tokens)."""
+    return rule_axes(rules, "batch")
+
+
+def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a ``[B, ...]`` batch array: rows split over :func:`batch_axes`, rest replicated."""
+    axes = batch_axes(rules)
+    first = axes[0] if len(axes) == 1 else (axes or None)
+    return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
+
+
+def batch_shards(mesh: Mesh, rules) -> int:
+    """How many ways the batch is split (a global batch size must be a multiple of it)."""
+    n = 1
+    for a in batch_axes(rules):
+        n *= mesh.shape[a]
+    return n
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical names, e.g. ``("batch", "length", None)``.
+
+    Uses the mesh and rules made current by :func:`k3jax.parallel.mesh.use_mesh`; a no-op outside
+    it, so layers may call it unconditionally.
+    """
+    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return nn.with_logical_constraint(x, names)
+
+
+def shardings_of(tree):
+    """The current ``sharding`` of every array of a tree (to pin a jitted step's outputs to the
+    same layout as its inputs, so the state keeps one layout from step to step)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+__all__ = ["batch_axes", "batch_shards", "batch_sharding", "constrain", "init_sharded",
+           "logical_to_sharding", "shardings_of", "variable_shardings"]
