@@ -154,7 +154,7 @@ def test_stats_of_parts_combine_to_stats_of_whole(rule):
             np.testing.assert_array_equal(combined[key], whole[key])
         np.testing.assert_array_equal(bal.update_bias(bias, combined, cfg),
                                       bal.update_bias(bias, whole, cfg))
-    with pytest.raises(ValueError, match="different rules"):
+    with pytest.raises(ValueError, match="trees differ"):
         bal.add_stats(whole, {"load": whole["load"]} if len(whole) > 1 else {**whole, "hist": 0})
 
 
@@ -171,6 +171,14 @@ def test_update_balance_pairs_bias_and_stats_by_path_with_layer_axis():
         np.testing.assert_allclose(new["stack"]["moe"]["bias"][i],
                                    bal.update_bias(biases[i], per_layer[i], cfg), atol=1e-7)
     np.testing.assert_allclose(new["last"]["moe"]["bias"], new["stack"]["moe"]["bias"][1], atol=1e-7)
+    # Whole collections add leaf by leaf (two micro-batches of the same tokens: twice the counts).
+    twice = bal.add_stats(stats, stats)
+    np.testing.assert_array_equal(twice["stack"]["moe"]["bias"]["hist"],
+                                  2 * stats["stack"]["moe"]["bias"]["hist"])
+    metrics = bal.balance_metrics(stats)
+    assert set(metrics) == {"stack/moe/bias/max_vio", "last/moe/bias/max_vio"}
+    np.testing.assert_allclose(metrics["stack/moe/bias/max_vio"],
+                               [bal.max_vio(p["load"]) for p in per_layer])
 
 
 # -- toy run: fresh batches from a skewed router, one bias update per step ------------------------

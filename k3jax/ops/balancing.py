@@ -93,37 +93,51 @@ def zero_stats(cfg, leading: Sequence[int] = ()) -> dict:
     return stats
 
 
-def add_stats(a: dict, b: dict) -> dict:
-    """Combine the statistics of two disjoint sets of tokens (micro-batches of one step)."""
-    if set(a) != set(b):
-        raise ValueError(f"add_stats: statistics of different rules: {sorted(a)} vs {sorted(b)}")
-    out = {}
-    for key in a:
-        if key in SUMMED:
-            out[key] = a[key] + b[key]
-        elif key in CONCATENATED:
-            out[key] = jnp.concatenate([a[key], b[key]], axis=-2)
-        else:
-            raise ValueError(f"add_stats: unknown statistic {key!r}")
-    return out
+def _stat_name(path) -> str:
+    key = path[-1]
+    return str(getattr(key, "key", getattr(key, "name", key)))
 
 
-def reduce_stats(stats: dict, axis_names: str | Sequence[str]) -> dict:
+def add_stats(a, b):
+    """Combine the statistics of two disjoint sets of tokens (micro-batches of one step).
+
+    Works on one statistics dict or on any tree of them (a whole ``'balance_stats'`` collection):
+    each leaf is combined by its name -- ``load`` and ``hist`` add, ``margins`` concatenate along
+    the token axis. Start an accumulation from :func:`zero_stats` or from the first micro-batch,
+    never from ``zeros_like`` (zero margins would be counted as tokens).
+    """
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        raise ValueError("add_stats: the two statistics trees differ (different rules or layers): "
+                         f"{jax.tree.structure(a)} vs {jax.tree.structure(b)}")
+
+    def combine(path, x, y):
+        name = _stat_name(path)
+        if name in SUMMED:
+            return x + y
+        if name in CONCATENATED:
+            return jnp.concatenate([x, y], axis=-2)
+        raise ValueError(f"add_stats: unknown statistic {name!r} at {jax.tree_util.keystr(path)}")
+
+    return jax.tree_util.tree_map_with_path(combine, a, b)
+
+
+def reduce_stats(stats, axis_names: str | Sequence[str]):
     """Combine statistics across the mesh axes that hold different tokens (inside ``shard_map``).
 
-    The hook of the expert-parallel code: pass only data-holding axes (data, fsdp, expert when it
-    splits the tokens), never tensor-parallel replicas, or tokens are counted twice.
+    The hook of the expert-parallel code (one statistics dict or a tree of them): pass only
+    data-holding axes (data, fsdp, expert when it splits the tokens), never tensor-parallel
+    replicas, or tokens are counted twice. ``load``/``hist`` are ``psum``-ed, ``margins`` gathered.
     """
     axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not axes:
         return stats
-    out = {}
-    for key, value in stats.items():
-        if key in SUMMED:
-            out[key] = jax.lax.psum(value, axes)
-        else:
-            out[key] = jax.lax.all_gather(value, axes, axis=value.ndim - 2, tiled=True)
-    return out
+
+    def combine(path, x):
+        if _stat_name(path) in CONCATENATED:
+            return jax.lax.all_gather(x, axes, axis=x.ndim - 2, tiled=True)
+        return jax.lax.psum(x, axes)
+
+    return jax.tree_util.tree_map_with_path(combine, stats)
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -133,6 +147,19 @@ def max_vio(load: jax.Array) -> jax.Array:
     load = load.astype(jnp.float32)
     mean = jnp.mean(load, axis=-1)
     return jnp.where(mean > 0, (jnp.max(load, axis=-1) - mean) / jnp.maximum(mean, 1e-30), 0.0)
+
+
+def balance_metrics(stats) -> dict:
+    """Per-layer MaxVio from a ``'balance_stats'`` tree: ``{"<path>/max_vio": array}``.
+
+    A scanned stack keeps its layer axis (``[L]``); loads themselves are ``stats[...]["load"]``.
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        if _stat_name(path) == "load":
+            prefix = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
+            out[f"{prefix}/max_vio"] = max_vio(leaf)
+    return out
 
 
 # -- bias updates ------------------------------------------------------------------------------
@@ -208,6 +235,6 @@ def update_balance(balance: dict, stats: dict, cfg) -> dict:
     return jax.tree.map(lambda b, s: update_bias(b, s, cfg), balance, stats)
 
 
-__all__ = ["add_stats", "compute_stats", "exact_quantiles", "expert_loads", "hist_edges",
-           "hist_quantiles", "margin_histogram", "max_vio", "qb_margins", "reduce_stats",
+__all__ = ["add_stats", "balance_metrics", "compute_stats", "exact_quantiles", "expert_loads",
+           "hist_edges", "hist_quantiles", "margin_histogram", "max_vio", "qb_margins", "reduce_stats",
            "update_balance", "update_bias", "zero_stats"]
