@@ -97,17 +97,19 @@ def test_kda_layer_segments_are_independent():
     layer, x, seg = KDALayer(cfg), _x(7, cfg.d_model), _segments()
     v = _init(layer, x)
     packed = layer.apply(v, x, segment_ids=seg)
-    for b in range(B):
-        for s in np.unique(seg[b]):
-            idx = np.where(seg[b] == s)[0]
-            alone = layer.apply(v, x[b:b + 1, idx])
-            assert rel_rms(alone[0], packed[b, idx]) < FP32_TOL
+    for s in (0, 1):  # row 0 holds two documents; each run alone must match its packed slice
+        idx = np.where(seg[0] == s)[0]
+        alone = layer.apply(v, x[:1, idx])
+        assert rel_rms(alone[0], packed[0, idx]) < FP32_TOL
 
 
 def test_kda_gates_stay_in_range():
-    f = jnp.linspace(-30, 30, 64).reshape(1, 1, 2, 32)
+    f = jnp.linspace(-8, 8, 64).reshape(1, 1, 2, 32)
     lb = kda_gate(f, jnp.zeros(2), "lower_bound", -5.0)
     assert bool(jnp.all((lb < 0) & (lb > -5.0)))
+    saturated = kda_gate(jnp.array([-1e4, 1e4]), jnp.zeros(1), "lower_bound", -5.0)
+    assert bool(jnp.all((saturated <= 0) & (saturated >= -5.0)))  # fp32 reaches the ends
+    f = jnp.broadcast_to(jnp.linspace(-8, 8, 32), (1, 1, 2, 32))
     sp = kda_gate(f, jnp.log(jnp.array([1.0, 16.0])), "softplus", -5.0)
     assert bool(jnp.all(sp <= 0))
     np.testing.assert_allclose(sp[..., 1, :], 16 * sp[..., 0, :], rtol=1e-5)
