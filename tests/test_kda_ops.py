@@ -48,8 +48,8 @@ def make_gate(kind, rng, shape):
 
     ``softplus``: ``-exp(A_log[h]) softplus(f)``, ``A_log = log U(1, 16)``, f spread around
     ``dt_bias`` (per-token log-decays ~1e-4 .. ~30). ``lower_bound``: ``-5 sigmoid(exp(A_log) f)``,
-    ``A_log = 0``, f around ``dt_bias`` (weak, as at init). ``lower_bound_strong``: f pushed high, so
-    g sits near the bound -5.
+    ``A_log = 0``, f around ``dt_bias`` (weak, as at init). ``lower_bound_strong``: f pushed high,
+    so g sits near the bound -5.
     """
     b, t, h, dk = shape
     dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), (h, dk)))
@@ -97,7 +97,7 @@ def packed_segments(b, t):
 
 
 def run_with_grads(impl, args, cots, segment_ids=None, chunk_size=CHUNK):
-    """``(o, final_state, grads)`` of ``sum(o * do) + sum(final * dh)`` w.r.t. q, k, v, g, beta, h0."""
+    """``(o, final_state, grads)``, grads of ``sum(o * do) + sum(final * dh)`` w.r.t. all inputs."""
     def fn(q, k, v, g, beta, h0):
         kw = dict(scale=SCALE, initial_state=h0, segment_ids=segment_ids)
         if impl == "reference":
@@ -185,7 +185,10 @@ def test_overflow_full_chunk_of_strongest_decay():
 
 
 # ------------------------------------------------------------------ chunked vs reference, bf16
-@pytest.mark.parametrize("gate,t,segments", [("softplus", 64, False), ("lower_bound_strong", 40, True)])
+@pytest.mark.parametrize("gate,t,segments", [
+    ("softplus", 64, False),
+    ("lower_bound_strong", 40, True),
+])
 def test_chunked_bf16_inputs_vs_fp32_reference(gate, t, segments):
     args, cots = make_inputs(4, 2, t, gate=gate, dtype=jnp.bfloat16)
     seg = packed_segments(2, t) if segments else None

@@ -6,8 +6,9 @@ Three implementations compute the same thing:
 - ``"chunked"``: the chunked algorithm in pure JAX (:mod:`k3jax.ops.kda_chunked`), any backend;
 - ``"pallas"``: Mosaic GPU kernels (:mod:`pallas_kernels.kda`, imported lazily).
 
-``"auto"`` takes the kernel only on an sm_90 GPU and only for calls its own ``supports`` accepts (the
-shapes and options its GPU tests cover); everything else runs the chunked path -- slower, never wrong.
+``"auto"`` takes the kernel only on an sm_90 GPU and only for calls its own ``supports`` accepts
+(the shapes and options its GPU tests cover); everything else runs the chunked path -- slower,
+never wrong.
 Arguments are validated here, in Python, before anything is traced or compiled.
 """
 
@@ -27,7 +28,10 @@ L2_EPS = 1e-6  # SPEC 3.1 step 3: added to the sum of squares
 
 
 def l2_normalize(x, eps=L2_EPS):
-    """``x / sqrt(sum(x^2, -1) + eps)`` over the last axis, computed in fp32, cast back to x's dtype."""
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last axis (SPEC 3.1 step 3).
+
+    Computed in fp32 and cast back to x's dtype. Shapes: ``[..., D]`` -> ``[..., D]``.
+    """
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -111,8 +115,9 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
         try:
             return _pallas_module()
         except ImportError as e:
-            raise ImportError(f"kda: impl='pallas' needs the module pallas_kernels.kda, which could "
-                              f"not be imported ({e}); use impl='chunked' or impl='auto'") from e
+            raise ImportError(f"kda: impl='pallas' needs the module pallas_kernels.kda, which "
+                              f"could not be imported ({e}); use impl='chunked' or impl='auto'"
+                              ) from e
     if impl == "auto" and _on_sm90():
         try:
             module = _pallas_module()

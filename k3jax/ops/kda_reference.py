@@ -9,9 +9,9 @@ the five steps of SPEC 3.2 literally, in fp32, one token per ``lax.scan`` step:
 4. ``S <- S + k_t u^T``            write,
 5. ``o_t = S^T (scale q_t)``       read after the write (a token sees itself).
 
-Shapes use the FLA layout: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``; the state
-is ``[B, H, K, V]`` fp32. Inputs are taken as given (no L2 normalisation here; :mod:`k3jax.ops.kda`
-does that when asked).
+Shapes use the FLA layout: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``; the
+state is ``[B, H, K, V]`` fp32 (fp64 when the inputs are fp64, for float64 checks). Inputs are
+taken as given (no L2 normalisation here; :mod:`k3jax.ops.kda` does that when asked).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _PREC = jax.lax.Precision.HIGHEST
 
 
 def _compute_dtype(x):
-    """fp32, or fp64 for fp64 inputs (lets a test run the oracle in fp64 under ``jax_enable_x64``)."""
+    """fp32, or fp64 for fp64 inputs (the oracle can then run in fp64 under jax_enable_x64)."""
     return jnp.promote_types(jnp.float32, x.dtype)
 
 
@@ -62,7 +62,7 @@ def segment_starts(segment_ids):
 
 
 def kda_reference(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
-    """KDA over whole sequences by the token-by-token recurrence (SPEC 3.2), fp32 throughout.
+    """KDA over whole sequences by the token-by-token recurrence (SPEC 3.2), in fp32.
 
     Args:
       q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
