@@ -1,0 +1,250 @@
+"""Attention Residuals: the depth aggregation over earlier sources (SPEC 5).
+
+For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight ``g [d]``::
+
+    score_i = w . RMSNorm_g(v_i) = r_i * <v_i, g*w>,   r_i = rsqrt(mean(v_i^2) + eps)   (no 1/sqrt(d))
+    alpha   = softmax_i(score)                          per token
+    h       = sum_i alpha_i v_i                         over the UN-normalised sources
+
+all in fp32, cast back to the sources' dtype once. Three forms live here, side by side:
+
+* :func:`depth_mix_reference` -- the formula on a Python list of sources, plain autodiff: the oracle;
+* :func:`depth_mix` -- the training form on a fixed-size block buffer ``[N, B, T, d]`` whose first
+  ``count`` slots are valid (``count`` may be traced), plus the running partial sum. Its custom VJP
+  keeps only the inputs and ``[N, B, T]`` statistics for the backward pass (autodiff of the formula
+  would also keep fp32 copies and normalised keys of the whole buffer at every call);
+* :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's pseudo-queries
+  batched against the completed blocks (max and log-sum-exp kept), then merged with the in-block
+  partial sum by online softmax.
+
+The drivers :func:`attnres_reference` (SPEC 5's bookkeeping, literally), :func:`full_attnres_reference`
+(every sub-layer output its own source) and :func:`attnres_two_phase` run a whole stack of sub-layer
+functions; the tests hold them against each other and against the model's rule.
+"""
+
+from __future__ import annotations
+
+from functools import partial as _partial
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+_PREC = jax.lax.Precision.HIGHEST  # true fp32 dots on GPUs too (not TF32)
+
+
+def _inv_rms(v32: jax.Array, eps: float) -> jax.Array:
+    """``rsqrt(mean(v^2) + eps)`` over the last axis: ``[..., d] -> [...]``."""
+    return jax.lax.rsqrt(jnp.mean(jnp.square(v32), axis=-1) + eps)
+
+
+def _score(v32: jax.Array, u: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """``(score, r)`` of sources ``[..., d]`` for the folded query ``u = g * w``: both ``[...]``."""
+    r = _inv_rms(v32, eps)
+    return r * jnp.einsum("...d,d->...", v32, u, precision=_PREC), r
+
+
+def _query(w: jax.Array, g: jax.Array) -> jax.Array:
+    """The pseudo-query folded with the key-norm weight: ``w . (x_hat * g) = x_hat . (g * w)``."""
+    return w.astype(_F32) * g.astype(_F32)
+
+
+# -- the oracle ---------------------------------------------------------------------------------
+
+def depth_mix_reference(sources: Sequence[jax.Array], w: jax.Array, g: jax.Array,
+                        eps: float) -> jax.Array:
+    """SPEC 5 aggregation over a list of ``[B, T, d]`` sources, written as the formula reads."""
+    v = jnp.stack([s.astype(_F32) for s in sources])                      # [n, B, T, d]
+    k = v * _inv_rms(v, eps)[..., None] * g.astype(_F32)                  # RMSNorm_g(v_i)
+    alpha = jax.nn.softmax(jnp.einsum("nbtd,d->nbt", k, w.astype(_F32), precision=_PREC), axis=0)
+    h = jnp.einsum("nbt,nbtd->btd", alpha, v, precision=_PREC)
+    return h.astype(sources[-1].dtype)
+
+
+# -- the training form: masked block buffer + partial sum ----------------------------------------
+
+def depth_mix(blocks: jax.Array, count, partial: jax.Array, w: jax.Array, g: jax.Array,
+              eps: float) -> tuple[jax.Array, jax.Array]:
+    """Aggregate ``blocks[:count]`` and ``partial``: returns ``(h [B, T, d], alpha [N + 1, B, T])``.
+
+    ``blocks [N, B, T, d]`` is a fixed-size buffer of completed blocks, of which the first ``count``
+    (a Python or traced int, ``0 <= count <= N``) are sources; the others get weight exactly 0 and no
+    gradient. ``partial [B, T, d]`` (the running sum of the current block) is always a source and is
+    the last entry of ``alpha`` (fp32, for diagnostics). ``h`` has ``partial``'s dtype.
+    """
+    _check_mix_args(blocks, partial, w, g)
+    h, alpha = _depth_mix(float(eps), blocks, jnp.asarray(count, jnp.int32), partial, w, g)
+    return h, alpha
+
+
+def _check_mix_args(blocks, partial, w, g) -> None:
+    if blocks.ndim != 4 or partial.shape != blocks.shape[1:]:
+        raise ValueError(f"depth_mix: expected blocks [N, B, T, d] and partial [B, T, d]; got "
+                         f"blocks {blocks.shape}, partial {partial.shape}")
+    d = partial.shape[-1]
+    if w.shape != (d,) or g.shape != (d,):
+        raise ValueError(f"depth_mix: query w and key-norm weight g must have shape ({d},); got "
+                         f"w {w.shape}, g {g.shape}")
+
+
+def _mix_forward(eps, blocks, count, partial, w, g):
+    u = _query(w, g)
+    vb, vp = blocks.astype(_F32), partial.astype(_F32)
+    sb, rb = _score(vb, u, eps)                                            # [N, B, T]
+    sp, rp = _score(vp, u, eps)                                            # [B, T]
+    valid = (jnp.arange(blocks.shape[0]) < count)[:, None, None]
+    sb_masked = jnp.where(valid, sb, -jnp.inf)
+    m = jnp.maximum(jnp.max(sb_masked, axis=0, initial=-jnp.inf), sp)
+    eb, ep = jnp.exp(sb_masked - m), jnp.exp(sp - m)                       # masked: exactly 0
+    z = jnp.sum(eb, axis=0) + ep
+    ab, ap = eb / z, ep / z
+    h = jnp.einsum("nbt,nbtd->btd", ab, vb, precision=_PREC) + ap[..., None] * vp
+    alpha = jnp.concatenate([ab, ap[None]], axis=0)
+    return h.astype(partial.dtype), alpha, (sb, rb, sp, rp, valid)
+
+
+@_partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _depth_mix(eps, blocks, count, partial, w, g):
+    h, alpha, _ = _mix_forward(eps, blocks, count, partial, w, g)
+    return h, alpha
+
+
+def _depth_mix_fwd(eps, blocks, count, partial, w, g):
+    h, alpha, (sb, rb, sp, rp, valid) = _mix_forward(eps, blocks, count, partial, w, g)
+    # Residuals: the inputs themselves (no fp32 copy of the buffer) and [N, B, T] statistics.
+    return (h, alpha), (blocks, count, partial, w, g, alpha, sb, rb, sp, rp, valid)
+
+
+def _depth_mix_bwd(eps, res, cts):
+    blocks, count, partial, w, g, alpha, sb, rb, sp, rp, valid = res
+    dh, dalpha_out = cts
+    d = partial.shape[-1]
+    u = _query(w, g)
+    vb, vp = blocks.astype(_F32), partial.astype(_F32)
+    dh = dh.astype(_F32)
+    ab, ap = alpha[:-1], alpha[-1]
+    # d(alpha_i) = <dh, v_i> (+ any cotangent on the returned weights); softmax backward -> d(score).
+    gb = jnp.einsum("btd,nbtd->nbt", dh, vb, precision=_PREC) + dalpha_out[:-1].astype(_F32)
+    gp = jnp.einsum("btd,btd->bt", dh, vp, precision=_PREC) + dalpha_out[-1].astype(_F32)
+    mean_g = jnp.sum(ab * gb, axis=0) + ap * gp
+    dsb = jnp.where(valid, ab * (gb - mean_g), 0.0)
+    dsp = ap * (gp - mean_g)
+    # score_i = r_i <v_i, u>:  d score_i / d v_i = r_i u - score_i r_i^2 v_i / d;  d/du = r_i v_i.
+    sb = jnp.where(valid, sb, 0.0)
+    dvb = (ab[..., None] * dh[None] + (dsb * rb)[..., None] * u
+           - (dsb * sb * rb * rb / d)[..., None] * vb)
+    dvp = ap[..., None] * dh + (dsp * rp)[..., None] * u - (dsp * sp * rp * rp / d)[..., None] * vp
+    du = (jnp.einsum("nbt,nbtd->d", dsb * rb, vb, precision=_PREC)
+          + jnp.einsum("bt,btd->d", dsp * rp, vp, precision=_PREC))
+    return (dvb.astype(blocks.dtype), None, dvp.astype(partial.dtype),
+            (du * g.astype(_F32)).astype(w.dtype), (du * w.astype(_F32)).astype(g.dtype))
+
+
+_depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
+
+
+# -- the two-phase inference form ---------------------------------------------------------------
+
+def inter_block(completed: jax.Array, w: jax.Array, g: jax.Array,
+                eps: float) -> tuple[jax.Array, jax.Array]:
+    """Phase 1: ``S`` queries ``w, g [S, d]`` against ``completed [n, B, T, d]`` in one pass.
+
+    Returns the normalised partial outputs ``o [S, B, T, d]`` and their log-sum-exp ``lse [S, B, T]``
+    (both fp32), ready to be merged with more sources by :func:`merge_partial`.
+    """
+    v = completed.astype(_F32)
+    r = _inv_rms(v, eps)                                                   # shared by the queries
+    u = w.astype(_F32) * g.astype(_F32)                                    # [S, d]
+    s = r[None] * jnp.einsum("nbtd,sd->snbt", v, u, precision=_PREC)       # [S, n, B, T]
+    m = jnp.max(s, axis=1)
+    p = jnp.exp(s - m[:, None])
+    z = jnp.sum(p, axis=1)
+    o = jnp.einsum("snbt,nbtd->sbtd", p, v, precision=_PREC) / z[..., None]
+    return o, m + jnp.log(z)
+
+
+def merge_partial(o: jax.Array, lse: jax.Array, partial: jax.Array, w: jax.Array, g: jax.Array,
+                  eps: float) -> jax.Array:
+    """Phase 2: fold one more source ``partial [B, T, d]`` into ``(o, lse)`` by online softmax.
+
+    Returns ``h [B, T, d]`` in ``partial``'s dtype.
+    """
+    vp = partial.astype(_F32)
+    sp, _ = _score(vp, _query(w, g), eps)
+    m = jnp.maximum(lse, sp)
+    a, b = jnp.exp(lse - m), jnp.exp(sp - m)
+    h = (a[..., None] * o + b[..., None] * vp) / (a + b)[..., None]
+    return h.astype(partial.dtype)
+
+
+# -- whole-stack drivers (sub-layers given as functions ``h -> out``) ----------------------------
+
+SubLayer = Callable[[jax.Array], jax.Array]
+
+
+def _check_driver(sublayers, queries, norms) -> None:
+    n = len(sublayers) + 1
+    if queries.shape[0] != n or norms.shape[0] != n:
+        raise ValueError(f"expected one query and key-norm weight per sub-layer plus the final read "
+                         f"({n}); got queries {queries.shape}, norms {norms.shape}")
+
+
+def attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
+                      norms: jax.Array, block: int, eps: float) -> jax.Array:
+    """SPEC 5's Block AttnRes bookkeeping as written there; returns the input of the final norm.
+
+    ``queries``/``norms [L + 1, d]``: one per sub-layer, the last for the final aggregation.
+    """
+    _check_driver(sublayers, queries, norms)
+    partial, blocks = embedding, []
+    for j, f in enumerate(sublayers):
+        x = partial if not blocks else depth_mix_reference(blocks + [partial], queries[j], norms[j],
+                                                           eps)
+        if j % block == 0:            # j = 0 commits the embedding
+            blocks.append(partial)
+            partial = None
+        out = f(x)
+        partial = out if partial is None else partial + out
+    return depth_mix_reference(blocks + [partial], queries[-1], norms[-1], eps)
+
+
+def full_attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
+                           norms: jax.Array, eps: float) -> jax.Array:
+    """Full AttnRes without block bookkeeping: every sub-layer output is its own source."""
+    _check_driver(sublayers, queries, norms)
+    sources = [embedding]
+    for j, f in enumerate(sublayers):
+        sources.append(f(depth_mix_reference(sources, queries[j], norms[j], eps)))
+    return depth_mix_reference(sources, queries[-1], norms[-1], eps)
+
+
+def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
+                      norms: jax.Array, block: int, eps: float) -> jax.Array:
+    """Block AttnRes computed block by block in the two-phase form; equals :func:`attnres_reference`.
+
+    Sub-layer ``j = cS + t`` of block ``c`` reads the completed sources (embedding and blocks
+    ``< c``, plus, for ``t = 0``, the block that just closed) merged, for ``t >= 1``, with the block's
+    own partial sum. Phase 1 runs once per block for all of its queries.
+    """
+    _check_driver(sublayers, queries, norms)
+    completed, partial = [embedding], None
+    for start in range(0, len(sublayers), block):
+        js = list(range(start, min(start + block, len(sublayers))))
+        o, lse = inter_block(jnp.stack(completed), queries[js[0]:js[-1] + 1],
+                             norms[js[0]:js[-1] + 1], eps)
+        partial = None
+        for t, j in enumerate(js):
+            if partial is None:
+                h = o[t].astype(embedding.dtype)
+            else:
+                h = merge_partial(o[t], lse[t], partial, queries[j], norms[j], eps)
+            out = sublayers[j](h)
+            partial = out if partial is None else partial + out
+        completed.append(partial)
+    o, lse = inter_block(jnp.stack(completed[:-1]), queries[-1:], norms[-1:], eps)
+    return merge_partial(o[0], lse[0], completed[-1], queries[-1], norms[-1], eps)
+
+
+__all__ = ["attnres_reference", "attnres_two_phase", "depth_mix", "depth_mix_reference",
+           "full_attnres_reference", "inter_block", "merge_partial"]
