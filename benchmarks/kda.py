@@ -107,12 +107,35 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
+def breakdown(args):
+    """Split our forward+backward into the XLA token-parallel part and the two state kernels (ms)."""
+    from pallas_kernels.kda_prep import prepare
+    from pallas_kernels.kda_state_bwd import state_bwd
+    from pallas_kernels.kda_state_fwd import state_fwd
+
+    q, k, v, g, beta = args
+    scale = q.shape[-1] ** -0.5
+    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64)
+    p = jax.jit(prep)(*args)
+    bf = lambda x: x.astype(jnp.bfloat16)
+    h0 = jnp.zeros(q.shape[:1] + q.shape[2:3] + (q.shape[3], v.shape[3]), jnp.float32)
+    kin = (bf(p.qg), bf(p.kg), bf(p.w), p.u, bf(p.aqk), p.gamma, h0)
+    fwd_k = jax.jit(lambda *a: state_fwd(*a, chunk_size=64))
+    o, fin, st, vt = fwd_k(*kin)
+    bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=64))
+    bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, bf(o), fin)
+    prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
+    return {"prep_fwd_ms": time_jax(jax.jit(prep), args), "state_fwd_kernel_ms": time_jax(fwd_k, kin),
+            "state_bwd_kernel_ms": time_jax(bwd_k, bin_), "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,ours_chunked_jax,jla,fla",
                     help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--breakdown", action="store_true", help="also time our parts separately")
     a = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     dev = jax.devices()[0]
@@ -130,6 +153,13 @@ def main(argv=None):
                 results[name] = None
                 print(json.dumps({"impl": name, "shape": shape, "error": f"{type(e).__name__}: {e}"[:300]}),
                       flush=True)
+        if a.breakdown:
+            try:
+                rec = {"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(args)}
+            except Exception as e:
+                rec = {"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(rec), flush=True)
+            lines.append(json.dumps(rec))
         base = results.get("ours_pallas")
         for name, r in results.items():
             if r is None:
