@@ -44,6 +44,34 @@ def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array) -> dict:
         return jax.jit(lambda r: init_variables(model_cfg, r), out_shardings=shardings)(rng)
 
 
+def _path_keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def like_params_shardings(tree, params, param_shardings, mesh: Mesh):
+    """Shardings for a tree that embeds copies of the parameter tree (a training state: params,
+    optimiser moments, ...): a leaf whose path ends with a parameter's path and has its shape gets
+    that parameter's sharding; every other leaf (counters, RNG, router biases) is replicated.
+
+    Needed because XLA's propagation leaves freshly created optimiser zeros replicated.
+    """
+    table = {}
+    for (path, p), sh in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                             jax.tree.leaves(param_shardings)):
+        table[_path_keys(path)] = (tuple(p.shape), sh)
+    replicated = NamedSharding(mesh, P())
+
+    def pick(path, leaf):
+        keys = _path_keys(path)
+        for i in range(len(keys)):
+            hit = table.get(keys[i:])
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
 def batch_axes(rules) -> tuple[str, ...]:
     """Mesh axes that split the batch (the ``batch`` rule: every axis holding different tokens)."""
     return rule_axes(rules, "batch")
@@ -82,4 +110,4 @@ def shardings_of(tree):
 
 
 __all__ = ["batch_axes", "batch_shards", "batch_sharding", "constrain", "init_sharded",
-           "logical_to_sharding", "shardings_of", "variable_shardings"]
+           "like_params_shardings", "logical_to_sharding", "shardings_of", "variable_shardings"]

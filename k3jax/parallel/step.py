@@ -1,0 +1,48 @@
+"""The training step over a mesh: sharded state, split batches, the mesh current while it runs.
+
+The step itself (:func:`k3jax.train.step.make_train_step`) is sharding-agnostic; here it is jitted
+with the state's shardings pinned on input and output (one layout from step to step, no
+recompilation), the batch split over the batch axes, and run under :func:`use_mesh` so the
+expert-parallel dispatch finds the mesh and the rules table.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh
+
+from k3jax.parallel.mesh import use_mesh
+from k3jax.parallel.sharding import (batch_sharding, init_sharded, like_params_shardings,
+                                     shardings_of)
+
+
+def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,
+                       make_state: Callable[[dict, dict], dict]) -> dict:
+    """Sharded variables (:func:`init_sharded`) -> ``make_state(params, balance)`` jitted with
+    ``out_shardings`` that give every parameter-shaped part of the state (optimiser moments) the
+    parameter's layout; the rest is replicated."""
+    variables = init_sharded(model_cfg, mesh, rules, rng)
+    params, balance = variables["params"], variables.get("balance", {})
+    abstract = jax.eval_shape(make_state, params, balance)
+    out = like_params_shardings(abstract, params, shardings_of(params), mesh)
+    with use_mesh(mesh, rules):
+        return jax.jit(make_state, out_shardings=out)(params, balance)
+
+
+def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
+    """``step_fn(state, batch) -> (state, metrics)`` jitted over ``mesh``: the state keeps the
+    shardings it has now, every batch array is split on axis 0 over the batch axes."""
+    state_sh = shardings_of(state)
+    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules)),
+                     out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ())
+
+    def run(state, batch):
+        with use_mesh(mesh, rules):
+            return jitted(state, batch)
+
+    return run
+
+
+__all__ = ["init_sharded_state", "sharded_step"]
