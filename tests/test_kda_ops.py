@@ -86,10 +86,11 @@ def make_inputs(seed, b, t, gate="softplus", dtype=jnp.float32):
 
 
 def packed_segments(b, t):
-    """Segment ids with resets in the middle of a chunk, on a chunk boundary, and none (row 2)."""
+    """Row 1: resets at 7 (mid sub-block), 32 (a chunk/sub-block boundary) and ``t - 3``; row 2:
+    one segment, with an id other than 0."""
     ids = np.zeros((b, t), np.int32)
     ids[0, 7:] = 1
-    ids[0, 2 * CHUNK:] = 2
+    ids[0, 32:] = 2
     ids[0, t - 3:] = 3
     if b > 1:
         ids[1] = 5
@@ -147,17 +148,17 @@ def test_reference_matches_float64_numpy():
 
 
 # ------------------------------------------------------------------ chunked vs reference, fp32
-@pytest.mark.parametrize("gate,t,segments", [
-    ("softplus", 40, True),             # T not a multiple of the chunk, packed sequences
-    ("lower_bound", 64, False),         # T a multiple of the chunk, weak K3 gate
-    ("lower_bound_strong", 40, False),  # g near -5: 80 nats per 16-row chunk
-    ("lower_bound_strong", 64, True),
+@pytest.mark.parametrize("gate,t,segments,chunk", [
+    ("softplus", 40, True, 16),             # T not a multiple of the chunk, packed sequences
+    ("lower_bound", 64, True, 64),          # weak K3 gate; resets in 3 of the 4 sub-blocks
+    ("lower_bound_strong", 40, False, 16),  # g near -5: 80 nats per 16-row chunk
+    ("lower_bound_strong", 64, True, 32),   # two sub-blocks per chunk
 ])
-def test_chunked_matches_reference_fp32(gate, t, segments):
+def test_chunked_matches_reference_fp32(gate, t, segments, chunk):
     args, cots = make_inputs(1, 2, t, gate=gate)
     seg = packed_segments(2, t) if segments else None
     ro, rs, rg = run_with_grads("reference", args, cots, seg)
-    co, cs, cg = run_with_grads("chunked", args, cots, seg)
+    co, cs, cg = run_with_grads("chunked", args, cots, seg, chunk_size=chunk)
     assert_close("o", ro, co, FP32_TOL)
     assert_close("final_state", rs, cs, FP32_TOL)
     for name, r, c in zip(GRAD_NAMES, rg, cg):
@@ -185,16 +186,16 @@ def test_overflow_full_chunk_of_strongest_decay():
 
 
 # ------------------------------------------------------------------ chunked vs reference, bf16
-@pytest.mark.parametrize("gate,t,segments", [
-    ("softplus", 64, False),
-    ("lower_bound_strong", 40, True),
+@pytest.mark.parametrize("gate,t,segments,chunk", [
+    ("softplus", 64, False, 32),
+    ("lower_bound_strong", 40, True, 16),
 ])
-def test_chunked_bf16_inputs_vs_fp32_reference(gate, t, segments):
+def test_chunked_bf16_inputs_vs_fp32_reference(gate, t, segments, chunk):
     args, cots = make_inputs(4, 2, t, gate=gate, dtype=jnp.bfloat16)
     seg = packed_segments(2, t) if segments else None
     ref_args = tuple(x.astype(jnp.float32) for x in args)  # the same (bf16-valued) inputs in fp32
     ro, rs, rg = run_with_grads("reference", ref_args, cots, seg)
-    co, cs, cg = run_with_grads("chunked", args, cots, seg)
+    co, cs, cg = run_with_grads("chunked", args, cots, seg, chunk_size=chunk)
     assert co.dtype == jnp.bfloat16 and cs.dtype == jnp.float32
     assert_close("o", ro, co, BF16_OUT_TOL)
     assert_close("final_state", rs, cs, BF16_OUT_TOL)
