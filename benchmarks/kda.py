@@ -5,10 +5,11 @@ each peer's time over ours, and our achieved TFLOP/s and GB/s against the H200 r
 
 Inputs (issue 6): bf16 q, k, v (q, k L2-normalised before timing, so no implementation pays for
 it), lower-bound gate ``g = -5 sigmoid(f)`` in fp32, ``beta = sigmoid(.)``, no initial state,
-chunk 64. JAX paths are jitted and timed as the median of 5 batches of 20 calls after compilation
+chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls after compilation
 (host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).
 
     python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla] [--out results.jsonl]
+                             [--breakdown [B,T,H,D]]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def make_inputs(b, t, h, d, seed=0):
     return q, k, v, g, beta
 
 
-def time_jax(fn, args, batches=5, calls=20):
+def time_jax(fn, args, batches=5, calls=10):
     out = fn(*args)
     jax.block_until_ready(out)
     times = []
@@ -129,58 +130,66 @@ def breakdown(args):
             "state_bwd_kernel_ms": time_jax(bwd_k, bin_), "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
 
 
+def _record(name, shape, r, base, device):
+    rec = {"impl": name, "shape": list(shape), "device": device, "fwd_ms": round(r[0], 4),
+           "fwd_bwd_ms": round(r[1], 4)}
+    if base is not None:  # peer time over ours: below 1 means the peer is faster
+        rec["fwd_ratio_vs_ours"] = round(r[0] / base[0], 3)
+        rec["fwd_bwd_ratio_vs_ours"] = round(r[1] / base[1], 3)
+    if name == "ours_pallas":
+        f, by = flops(*shape), min_bytes(*shape)
+        rec["fwd_tflops"] = round(f / r[0] / 1e9, 2)
+        rec["fwd_tflops_frac_of_800"] = round(f / r[0] / 1e9 / PEAK_TFLOPS, 4)
+        rec["fwd_min_bytes_gbps"] = round(by / r[0] / 1e6, 1)
+        rec["fwd_bw_frac_of_4.8TBps"] = round(by / r[0] / 1e9 / PEAK_TBPS, 4)
+        # forward+backward: ~2.5x the forward FLOPs (the usual count for a chunked delta rule)
+        rec["fwd_bwd_tflops_at_2.5x"] = round(2.5 * f / r[1] / 1e9, 2)
+    return rec
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
-    ap.add_argument("--impls", default="ours_pallas,ours_chunked_jax,jla,fla",
-                    help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla")
+    ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
+                    help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla (run in this "
+                         "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--breakdown", action="store_true", help="also time our parts separately")
+    ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
+                    help="also time our parts separately at this B,T,H,D (default 8,4096,16,128)")
     a = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
-    dev = jax.devices()[0]
-    lines = []
-    for shape in shapes:
-        args = make_inputs(*shape)
-        results = {}
-        impls = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
-                 "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}
-        for name in a.impls.split(","):
-            run = impls[name]
+    dev = jax.devices()[0].device_kind
+    lines, results = [], {}
+
+    def emit(rec):
+        line = json.dumps(rec)
+        print(line, flush=True)
+        lines.append(line)
+        if a.out:
+            with open(a.out, "a") as fh:
+                fh.write(line + "\n")
+
+    if a.breakdown:
+        shape = tuple(int(x) for x in a.breakdown.split(","))
+        try:
+            emit({"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(make_inputs(*shape))})
+        except Exception as e:
+            emit({"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
+    for name in a.impls.split(","):
+        for shape in shapes:
+            args = make_inputs(*shape)
+            run = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
+                   "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}[name]
             try:
-                results[name] = run()
+                results[name, shape] = r = run()
             except Exception as e:  # a peer not installed or failing: record why, keep going
-                results[name] = None
-                print(json.dumps({"impl": name, "shape": shape, "error": f"{type(e).__name__}: {e}"[:300]}),
-                      flush=True)
-        if a.breakdown:
-            try:
-                rec = {"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(args)}
-            except Exception as e:
-                rec = {"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
-            print(json.dumps(rec), flush=True)
-            lines.append(json.dumps(rec))
-        base = results.get("ours_pallas")
-        for name, r in results.items():
-            if r is None:
+                emit({"impl": name, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
-            rec = {"impl": name, "shape": list(shape), "device": dev.device_kind, "fwd_ms": round(r[0], 4),
-                   "fwd_bwd_ms": round(r[1], 4)}
-            if base is not None:
-                rec["fwd_ratio_vs_ours"] = round(r[0] / base[0], 3)
-                rec["fwd_bwd_ratio_vs_ours"] = round(r[1] / base[1], 3)
-            if name == "ours_pallas":
-                f, by = flops(*shape), min_bytes(*shape)
-                rec["fwd_tflops"] = round(f / r[0] / 1e9, 2)
-                rec["fwd_tflops_frac_of_800"] = round(f / r[0] / 1e9 / PEAK_TFLOPS, 4)
-                rec["fwd_min_bytes_gbps"] = round(by / r[0] / 1e6, 1)
-                rec["fwd_bw_frac_of_4.8TBps"] = round(by / r[0] / 1e9 / PEAK_TBPS, 4)
-            line = json.dumps(rec)
-            print(line, flush=True)
-            lines.append(line)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+            emit(_record(name, shape, r, results.get(("ours_pallas", shape)), dev))
+    print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
+    for shape in shapes:
+        cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-" for n in a.impls.split(",")]
+        print(shape, "|", " | ".join(cells))
 
 
 if __name__ == "__main__":
