@@ -1,0 +1,305 @@
+"""MoE expert-parallel benchmark (issue 7): one GPU (expert axis 1) against two (expert axis 2).
+
+JSON lines, one per measurement:
+
+- ``grouped_matmul``: one grouped matmul ``[tokens*k, latent] x [E, latent, m]`` (forward, and
+  forward+backward), ``jax.lax.ragged_dot`` against the Mosaic GPU kernels, TFLOP/s;
+- ``dispatch``: the dispatch alone (fwd, fwd+bwd w.r.t. tokens, weights and expert weights) for
+  each implementation on 1 and 2 devices, with its relative RMS error against the single-device
+  ``ragged`` dispatch on the same global tokens (SPEC 10 bf16 bound 5e-3);
+- ``moe_step``: a training step of ``--layers`` residual Stable LatentMoE blocks (router, latent
+  projections and norm, shared MLP, QB statistics; forward, backward, SGD update) at equal
+  per-device batch -> tokens/s, and for two devices the speedup over the best one-device figure
+  (target: >= 1.8);
+- ``summary``: the best speedup.
+
+Timing: jitted, compiled first, median of ``--repeats`` batches of ``--iters`` calls (host clock
+around ``block_until_ready``). A configuration that fails to compile or run prints an ``error``
+line and the rest continues.
+
+    PYTHONPATH=. python benchmarks/moe.py [--out moe.jsonl]          # 2 GPUs: the full run
+    PYTHONPATH=. python benchmarks/moe.py --tiny                     # CPU smoke test (2 host devices)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--tiny" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    # The CPU smoke test needs two devices; the flag must be set before jax is imported.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=2").strip()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import k3jax.parallel as kp  # noqa: E402
+from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
+from k3jax.config.mesh import MeshConfig  # noqa: E402
+from k3jax.layers.moe import MoEBlock  # noqa: E402
+from k3jax.ops import moe_dispatch  # noqa: E402
+from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
+from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
+from k3jax.parallel.ep_dispatch import EP_DISPATCHES, ep_dispatch, make_ep_dispatch  # noqa: E402
+from k3jax.parallel.grouped_matmul import grouped_matmul  # noqa: E402
+
+FULL = dict(d_model=2048, num_experts=64, top_k=8, latent_dim=1024, expert_intermediate=768,
+            shared_intermediate=2048, layers=4, tokens_per_device=16384, seq_len=2048)
+TINY = dict(d_model=32, num_experts=8, top_k=2, latent_dim=16, expert_intermediate=16,
+            shared_intermediate=16, layers=1, tokens_per_device=64, seq_len=16)
+
+
+def emit(record: dict, out) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def timed(fn, args, iters: int, repeats: int) -> float:
+    """Median milliseconds per call of an already-compiled function."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            result = fn(*args)
+        jax.block_until_ready(result)
+        times.append((time.perf_counter() - t0) / iters * 1e3)
+    return statistics.median(times)
+
+
+def model_config(shape: dict, dispatch: str) -> ModelConfig:
+    moe = MoEConfig(num_experts=shape["num_experts"], top_k=shape["top_k"],
+                    expert_intermediate=shape["expert_intermediate"],
+                    latent_dim=shape["latent_dim"], shared_intermediate=shape["shared_intermediate"],
+                    balancing="quantile_hist", dispatch=dispatch)
+    return ModelConfig(d_model=shape["d_model"], moe=moe, dtype="bfloat16", param_dtype="float32",
+                       init_std=0.02)
+
+
+def with_gmm(dispatch: str, gmm: str):
+    """Point the registry's ``dispatch`` at the grouped matmul ``gmm`` (MoEConfig has no field)."""
+    if dispatch in EP_DISPATCHES:
+        moe_dispatch.register_dispatch(
+            dispatch, lambda cfg: make_ep_dispatch(dispatch, cfg.capacity_factor, gmm),
+            overwrite=True)
+
+
+def mesh_of(n: int):
+    cfg = MeshConfig(data=1, expert=n)
+    return kp.make_mesh(cfg, jax.devices()[:n]), cfg.rules
+
+
+# -- grouped matmul ------------------------------------------------------------------------------
+
+def bench_grouped_matmul(shape, impls, args, out):
+    rows = shape["tokens_per_device"] * shape["top_k"]
+    e, k, n = shape["num_experts"], shape["latent_dim"], shape["expert_intermediate"]
+    x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
+    w = (0.02 * jax.random.normal(jax.random.key(1), (e, k, n))).astype(jnp.bfloat16)
+    sizes = jnp.full((e,), rows // e, jnp.int32).at[0].add(rows - e * (rows // e))
+    flops = 2 * rows * k * n
+    ref = None
+    for impl in impls:
+        try:
+            fwd = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, impl))
+            both = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, impl)),
+                                    argnums=(0, 1)))
+            y = fwd(x, w)
+            ref = y if ref is None else ref
+            ms = timed(fwd, (x, w), args.iters, args.repeats)
+            ms_both = timed(both, (x, w), args.iters, args.repeats)
+            emit({"bench": "grouped_matmul", "impl": impl, "m": rows, "k": k, "n": n,
+                  "groups": e, "fwd_ms": ms, "fwd_bwd_ms": ms_both,
+                  "fwd_tflops": flops / ms / 1e9, "fwd_bwd_tflops": 3 * flops / ms_both / 1e9,
+                  "rel_rms_vs_first": rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32)),
+                  "platform": jax.devices()[0].platform}, out)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            emit({"bench": "grouped_matmul", "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]},
+                 out)
+
+
+# -- dispatch alone ------------------------------------------------------------------------------
+
+def dispatch_inputs(shape, devices: int):
+    tokens = shape["tokens_per_device"] * devices
+    e, d, m, k = (shape["num_experts"], shape["latent_dim"], shape["expert_intermediate"],
+                  shape["top_k"])
+    ks = jax.random.split(jax.random.key(2), 6)
+    x = jax.random.normal(ks[0], (tokens, d), jnp.bfloat16)
+    ids = jax.lax.top_k(jax.random.normal(ks[1], (tokens, e)), k)[1].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[2], (tokens, k)), axis=-1)
+    ew = ExpertWeights(*((0.02 * jax.random.normal(kk, s)).astype(jnp.bfloat16)
+                         for kk, s in zip(ks[3:], [(e, d, m), (e, d, m), (e, m, d)])))
+    return x, ids, w, ew
+
+
+def bench_dispatch(shape, dispatches, gmms, args, out):
+    act = GLUSpec()
+    for devices in (1, 2):
+        if devices > len(jax.devices()):
+            continue
+        x, ids, w, ew = dispatch_inputs(shape, devices)
+        with jax.default_device(jax.devices()[0]):
+            ref = jax.jit(lambda *a: ragged_dispatch(*a, act))(x, ids, w, ew)
+        mesh, rules = mesh_of(devices)
+        for name in dispatches:
+            for gmm in (gmms if name in EP_DISPATCHES else ("ragged_dot",)):
+                rec = {"bench": "dispatch", "dispatch": name, "gmm": gmm, "devices": devices,
+                       "tokens": int(x.shape[0])}
+                if name == "ragged" and devices > 1:
+                    continue
+                if name == "ragged_all_to_all" and jax.default_backend() == "cpu":
+                    emit({**rec, "skipped": "no CPU lowering"}, out)
+                    continue
+                try:
+                    if name == "ragged":
+                        f = lambda x, ids, w, ew: ragged_dispatch(x, ids, w, ew, act)  # noqa: E731
+                    else:
+                        f = (lambda nm, g: lambda x, ids, w, ew: ep_dispatch(  # noqa: E731
+                            nm, x, ids, w, ew, act, gmm=g)[0])(name, gmm)
+                    loss = lambda x, w, ew, f=f: jnp.sum(f(x, ids, w, ew).astype(jnp.float32))  # noqa: E731
+                    with kp.use_mesh(mesh, rules):
+                        fwd = jax.jit(lambda x, w, ew, f=f: f(x, ids, w, ew))
+                        both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                        y = fwd(x, w, ew)
+                        rec["fwd_ms"] = timed(fwd, (x, w, ew), args.iters, args.repeats)
+                        rec["fwd_bwd_ms"] = timed(both, (x, w, ew), args.iters, args.repeats)
+                    err = rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32))
+                    rec.update(rel_rms_vs_ragged=err, within_bf16_tol=bool(err <= BF16_OUT_TOL))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                emit(rec, out)
+
+
+# -- training step of a MoE stack ----------------------------------------------------------------
+
+class MoEStack(nn.Module):
+    cfg: ModelConfig
+    layers: int
+
+    @nn.compact
+    def __call__(self, h):
+        for i in range(self.layers):
+            h = h + MoEBlock(self.cfg, name=f"moe_{i}")(h, deterministic=False)
+        return h
+
+
+def bench_step(shape, dispatches, gmm, args, out):
+    results = {}
+    for devices in (1, 2):
+        if devices > len(jax.devices()):
+            continue
+        mesh, rules = mesh_of(devices)
+        batch = shape["tokens_per_device"] * devices // shape["seq_len"]
+        x = jax.random.normal(jax.random.key(3), (batch, shape["seq_len"], shape["d_model"]),
+                              jnp.bfloat16)
+        x = jax.device_put(x, kp.batch_sharding(mesh, rules, ndim=3))
+        for name in dispatches:
+            rec = {"bench": "moe_step", "dispatch": name, "gmm": gmm, "devices": devices,
+                   "expert_axis": devices, "layers": shape["layers"],
+                   "tokens_per_device": shape["tokens_per_device"]}
+            if name == "ragged" and devices > 1:
+                continue
+            if name == "ragged_all_to_all" and jax.default_backend() == "cpu":
+                emit({**rec, "skipped": "no CPU lowering"}, out)
+                continue
+            try:
+                with_gmm(name, gmm)
+                rec["step_ms"] = run_step(model_config(shape, name), shape, mesh, rules, x, args)
+                rec["tokens_per_s"] = batch * shape["seq_len"] / rec["step_ms"] * 1e3
+                results[(devices, name)] = rec["tokens_per_s"]
+                if devices == 2:
+                    best_one = max((v for (d, _), v in results.items() if d == 1), default=None)
+                    if best_one:
+                        rec["speedup_vs_best_1gpu"] = rec["tokens_per_s"] / best_one
+                    if (1, name) in results:
+                        rec["speedup_vs_same_1gpu"] = rec["tokens_per_s"] / results[(1, name)]
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            emit(rec, out)
+    ones = [v for (d, _), v in results.items() if d == 1]
+    twos = [v for (d, _), v in results.items() if d == 2]
+    if ones and twos:
+        emit({"bench": "summary", "best_1gpu_tokens_per_s": max(ones),
+              "best_2gpu_tokens_per_s": max(twos), "speedup": max(twos) / max(ones),
+              "target": 1.8, "met": max(twos) / max(ones) >= 1.8}, out)
+
+
+def run_step(cfg: ModelConfig, shape, mesh, rules, x, args) -> float:
+    """Median ms of one SGD step (forward, backward, update) of the MoE stack."""
+    model = MoEStack(cfg, shape["layers"])
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1]))
+    shardings = kp.logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)
+
+    def init(rng):
+        return nn.meta.unbox(dict(model.init(rng, x[:1])))
+
+    with kp.use_mesh(mesh, rules):
+        variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+    params, balance = variables["params"], variables["balance"]
+    p_sh = kp.shardings_of(params)
+
+    def step(params, balance, x):
+        def loss(p):
+            h, mut = model.apply({"params": p, "balance": balance}, x, mutable=["balance_stats"])
+            return jnp.mean(jnp.square(h.astype(jnp.float32))), mut
+        grads, _ = jax.grad(loss, has_aux=True)(params)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+    with kp.use_mesh(mesh, rules):
+        jitted = jax.jit(step, out_shardings=p_sh, donate_argnums=(0,))
+        params = jitted(params, balance, x)                      # compile
+        jax.block_until_ready(params)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                params = jitted(params, balance, x)
+            jax.block_until_ready(params)
+            times.append((time.perf_counter() - t0) / args.iters * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="toy shapes for a CPU smoke test")
+    p.add_argument("--dispatches", default="ragged,all_to_all,ring,ragged_all_to_all")
+    p.add_argument("--gmm", default="ragged_dot,mosaic", help="grouped matmuls to compare")
+    p.add_argument("--step-gmm", default="ragged_dot", help="grouped matmul of the step benchmark")
+    p.add_argument("--skip", default="", help="comma list of grouped_matmul,dispatch,step")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    shape = dict(TINY if args.tiny else FULL)
+    args.iters = args.iters or (2 if args.tiny else 10)
+    args.repeats = args.repeats or (2 if args.tiny else 5)
+    dispatches = [d for d in args.dispatches.split(",") if d]
+    gmms = [g for g in args.gmm.split(",") if g]
+    skip = set(args.skip.split(","))
+    out = open(args.out, "a") if args.out else None
+    emit({"bench": "setup", "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+          **shape}, out)
+    if "grouped_matmul" not in skip:
+        bench_grouped_matmul(shape, gmms, args, out)
+    if "dispatch" not in skip:
+        bench_dispatch(shape, dispatches, gmms, args, out)
+    if "step" not in skip:
+        bench_step(shape, dispatches, args.step_gmm, args, out)
+    if out is not None:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
