@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from k3jax.config.base import ConfigError, fail, one_of, positive, require, to_dict
+from k3jax.config.mesh import MeshConfig
 from k3jax.config.model import ModelConfig
 
 TASKS = ("corpus", "mqar", "palindrome", "stack", "parity")
@@ -145,11 +146,16 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self):
         if self.data.batch_size % self.train.micro_batches:
             fail(self, "train.micro_batches", self.train.micro_batches,
                  f"must divide data.batch_size={self.data.batch_size}")
+        moe = self.model.moe
+        if moe is not None and self.mesh.expert > 0 and moe.num_experts % self.mesh.expert:
+            fail(self, "mesh.expert", self.mesh.expert,
+                 f"must divide model.moe.num_experts={moe.num_experts}")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             fail(self, "model.vocab_size", self.model.vocab_size,
                  "the byte tokenizer needs a vocabulary of at least 256")
