@@ -17,3 +17,19 @@ def model_config() -> ModelConfig:
         residual=ResidualConfig(kind="attnres", block_size_sublayers=4),
         rms_eps=1e-5,
     )
+
+
+def get_config():
+    """The README's main job: ``make train`` (k3_tiny on the Python standard library, CPU)."""
+    from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
+                                         ExperimentConfig, OptimConfig, TrainConfig)
+
+    return ExperimentConfig(
+        model=model_config(),
+        data=DataConfig(seq_len=128, batch_size=8),
+        optim=OptimConfig(name="adamw", lr=3e-3, schedule="wsd", warmup_steps=50,
+                          decay_fraction=0.3),
+        train=TrainConfig(steps=600, log_every=10),
+        checkpoint=CheckpointConfig(every=100, keep=3),
+        eval=EvalConfig(every=100, batches=8),
+    )

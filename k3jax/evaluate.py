@@ -1,0 +1,112 @@
+"""Evaluate the latest checkpoint of a run: held-out loss and bits per byte, synthetic tasks.
+
+    python -m k3jax.evaluate --workdir runs/tiny [--tasks mqar,palindrome,stack,parity]
+
+Prints a table and writes ``WORKDIR/eval.json``. The run's own config (``config.json``) says what
+model and data to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3jax.config.base import ConfigError
+from k3jax.config.experiment import ExperimentConfig, from_dict
+
+
+def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
+    import jax
+
+    from k3jax.data import make_data
+    from k3jax.model import K3Model, init_variables
+    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.evaluation import evaluate_batches, task_batches
+    from k3jax.train.optim import build_optimizer
+    from k3jax.train.step import init_state, make_eval_step
+
+    workdir = Path(workdir)
+    cfg_file = workdir / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
+    config = json.loads(cfg_file.read_text())
+    cfg: ExperimentConfig = from_dict(ExperimentConfig, config)
+    micro = cfg.data.batch_size // cfg.train.micro_batches
+    abstract = jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer,
+                                             init_state))
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
+    restored = ckpt.restore_latest(abstract, config, move_aside=False)
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint to evaluate")
+    state, meta = restored
+    eval_step = jax.jit(make_eval_step(K3Model(cfg.model)))
+    data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
+    results = {"heldout": evaluate_batches(eval_step, state["params"], state["balance"],
+                                           data.heldout)}
+    for name, batches in task_batches(tasks, cfg.data.seq_len, cfg.data.batch_size,
+                                      cfg.eval.batches, cfg.model.vocab_size).items():
+        results[name] = evaluate_batches(eval_step, state["params"], state["balance"], batches)
+    out = {"step": int(meta["step"]), "workdir": str(workdir),
+           "results": {k: {m: v[m] for m in ("loss", "bpb", "accuracy", "tokens")}
+                       for k, v in results.items()}}
+    (workdir / "eval.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _state(cfg, micro, init_variables, build_optimizer, init_state):
+    import jax
+
+    v = init_variables(cfg.model, jax.random.PRNGKey(cfg.train.seed), (micro, cfg.data.seq_len))
+    opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"], _axes(cfg.model))
+    return init_state(v["params"], v.get("balance", {}), opt, cfg.train.seed)
+
+
+def _axes(model_cfg):
+    from k3jax.train.loop import _logical_axes
+
+    return _logical_axes(model_cfg)
+
+
+def format_table(out: dict) -> str:
+    rows = [("eval set", "loss (nats/tok)", "bits/byte", "accuracy", "tokens")]
+    for name, r in out["results"].items():
+        bpb = f"{r['bpb']:.4f}" if name == "heldout" else "-"
+        rows.append((name, f"{r['loss']:.4f}", bpb, f"{r['accuracy']:.4f}", f"{int(r['tokens']):,}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"checkpoint step {out['step']} of {out['workdir']}"]
+    for j, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3jax.evaluate", description=__doc__)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--tasks", default="", help="comma-separated synthetic tasks "
+                        "(mqar, palindrome, stack, parity)")
+    args = parser.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    from k3jax.data.synthetic import TASKS
+
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        print(f"error: --tasks {bad}: unknown; expected from {sorted(TASKS)}", file=sys.stderr)
+        return 2
+    try:
+        out = evaluate_workdir(args.workdir, tasks, log=lambda m: print(m, file=sys.stderr))
+    except (FileNotFoundError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(out))
+    print(f"wrote {Path(args.workdir) / 'eval.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The training loop: resume, step, log, evaluate, checkpoint, summarise.
+
+:func:`run` is what ``train.py`` calls. Every piece it uses is a small tested function elsewhere:
+data (:mod:`k3jax.data`), the jitted step (:mod:`.step`), the optimiser (:mod:`.optim`),
+checkpoints (:mod:`.checkpoint`), metrics (:mod:`.metrics`), evaluation (:mod:`.evaluation`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from k3jax.data import make_data
+from k3jax.train.checkpoint import Checkpointer, to_host
+from k3jax.train.evaluation import evaluate_batches, summary_line, task_batches
+from k3jax.train.metrics import MetricsWriter, flatten
+from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.step import BATCH_KEYS, init_state, make_eval_step, make_train_step
+
+# Fault injection for the resume test: SIGKILL this process right after this step is dispatched.
+KILL_ENV = "K3JAX_FAULT_KILL_AFTER_STEP"
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite steps in a row."""
+
+
+@dataclass
+class Progress:
+    """Running numbers for the progress bar and the final summary."""
+
+    start_step: int
+    tokens_per_step: int
+    first_eval: dict | None = None
+    last_eval: dict | None = None
+    last_loss: float = float("nan")
+    t0: float = field(default_factory=time.time)
+    window_t: float = field(default_factory=time.time)
+    window_steps: int = 0
+
+
+def run(cfg, workdir: str | Path, log=None) -> dict:
+    """Train ``cfg`` (an ExperimentConfig) in ``workdir``; resumes from its checkpoints."""
+    from k3jax.model import K3Model, init_variables
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = log or (lambda msg: tqdm.write(str(msg), file=sys.stderr))
+    config = cfg.to_dict()
+    (workdir / "config.json").write_text(json.dumps(config, indent=1))
+
+    data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
+    log(f"[data] {data.description}")
+    micro = cfg.data.batch_size // cfg.train.micro_batches
+    # Jitted: eager initialisation of the chunked layers runs op by op, several times slower.
+    variables = jax.jit(lambda key: init_variables(cfg.model, key, (micro, cfg.data.seq_len)))(
+        jax.random.PRNGKey(cfg.train.seed))
+    params, balance = variables["params"], variables.get("balance", {})
+    optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, _logical_axes(cfg.model))
+    state = init_state(params, balance, optimizer, cfg.train.seed)
+    log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
+        f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
+
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                        log=log)
+    restored = ckpt.restore_latest(jax.eval_shape(lambda: state), config)
+    if restored is not None:
+        state = restored[0]
+        log(f"[checkpoint] resumed from {ckpt.step_path(int(state['step']))}")
+    start = int(state["step"])
+    writer = MetricsWriter(workdir, start)
+
+    model = K3Model(cfg.model)
+    on_cpu = jax.default_backend() == "cpu"
+    train_step = jax.jit(make_train_step(model, optimizer, schedule(cfg.optim, cfg.train.steps),
+                                         cfg.train.micro_batches, cfg.model.moe),
+                         donate_argnums=() if on_cpu else (0,))
+    eval_step = jax.jit(make_eval_step(model))
+    place = _placement(cfg.data.batch_size)
+    state = place(state, replicate=True)
+    tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
+                         cfg.eval.batches, cfg.model.vocab_size)
+
+    def evaluate(step: int, prog: Progress) -> None:
+        result = evaluate_batches(eval_step, state["params"], state["balance"], data.heldout)
+        record = {"loss": result["loss"], "bpb": result["bpb"], "accuracy": result["accuracy"],
+                  **flatten(result["diag"], "diag/")}
+        for name, batches in tasks.items():
+            r = evaluate_batches(eval_step, state["params"], state["balance"], batches)
+            record[f"{name}/accuracy"], record[f"{name}/loss"] = r["accuracy"], r["loss"]
+        writer.write(step, "eval", record)
+        prog.first_eval = prog.first_eval or {"step": step, **result}
+        prog.last_eval = {"step": step, **result}
+        extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in tasks)
+        log(f"[eval] step {step}: held-out loss {result['loss']:.4f}, "
+            f"{result['bpb']:.4f} bits/byte{extra}")
+
+    prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len)
+    if start == 0:
+        evaluate(0, prog)
+    mfu = _mfu_fn(cfg)
+    kill_at = int(os.environ.get(KILL_ENV, "-1"))
+    bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
+               file=sys.stderr, desc="train")
+    pending = None
+    try:
+        for step in range(start, cfg.train.steps):
+            host_batch = data.train(step)
+            state, metrics = train_step(
+                state, place({k: host_batch[k] for k in BATCH_KEYS}, replicate=False))
+            if pending is not None:
+                _check_finite(pending, cfg.train.max_bad_steps, ckpt)
+            pending = (step + 1, metrics)
+            done = step + 1
+            if step == start:  # the first step includes compilation: time from its end
+                jax.block_until_ready(metrics["loss"])
+                prog.window_t, prog.window_steps = time.time(), 0
+            else:
+                prog.window_steps += 1
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                _log_train(writer, bar, prog, done, metrics, float(host_batch["nbytes"]), mfu)
+            bar.update(1)
+            if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+                ckpt.save(done, to_host(state), _meta(config, done, cfg))
+            if done == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if done % cfg.eval.every == 0 or done == cfg.train.steps:
+                evaluate(done, prog)
+        if pending is not None:
+            _check_finite(pending, cfg.train.max_bad_steps, ckpt)
+    finally:
+        bar.close()
+        ckpt.close()
+        writer.close()
+    summary = _summary(prog, state, cfg, workdir, ckpt)
+    for line in summary["lines"]:
+        log(line)
+    (workdir / "summary.json").write_text(json.dumps(
+        {k: v for k, v in summary.items() if k != "lines"}, indent=1))
+    return summary
+
+
+def _log_train(writer, bar, prog: Progress, step: int, metrics, nbytes, mfu) -> None:
+    m = jax.device_get(metrics)
+    elapsed = max(time.time() - prog.window_t, 1e-9)
+    tps = prog.window_steps * prog.tokens_per_step / elapsed if prog.window_steps else 0.0
+    record = {"loss": m["loss"], "aux_loss": m["aux_loss"], "grad_norm": m["grad_norm"],
+              "lr": m["lr"], "tokens_per_s": tps, "finite": float(m["finite"]),
+              **flatten(m["maxvio"], "maxvio/"), **flatten(m["diag"], "diag/")}
+    if nbytes:
+        record["bpb"] = float(m["sum_nats"]) / (np.log(2.0) * nbytes)
+    if mfu is not None and tps:
+        record["mfu"] = mfu(tps)
+    writer.write(step, "train", record)
+    prog.last_loss = float(m["loss"])
+    extra = f" | MFU {record['mfu']:.1%}" if "mfu" in record else ""
+    bar.set_postfix_str(f"loss {prog.last_loss:.4f} | {tps:,.0f} tok/s{extra}")
+
+
+def _check_finite(pending, max_bad: int, ckpt: Checkpointer) -> None:
+    step, metrics = pending
+    if bool(metrics["finite"]):
+        return
+    bad = int(metrics["bad_steps"])
+    if bad >= max_bad:
+        ckpt.wait()
+        good = ckpt.last_good_step()
+        where = ckpt.step_path(good) if good is not None else "none saved yet"
+        raise NonFiniteError(f"stopping at step {step}: {bad} non-finite steps in a row "
+                             f"(loss or gradient NaN/Inf; updates skipped). Last good checkpoint: "
+                             f"{where}")
+
+
+def _meta(config: dict, step: int, cfg) -> dict:
+    return {"config": config, "step": step,
+            "data_position": {"batches_consumed": step,
+                              "sequences_consumed": step * cfg.data.batch_size,
+                              "seed": cfg.data.seed}}
+
+
+def _summary(prog: Progress, state, cfg, workdir: Path, ckpt: Checkpointer) -> dict:
+    steps = int(state["step"]) - prog.start_step
+    secs = time.time() - prog.t0
+    lines = [f"[done] {int(state['step'])} steps ({steps} this run) in {secs / 60:.1f} min; "
+             f"{steps * prog.tokens_per_step:,} tokens; final train loss {prog.last_loss:.4f}"]
+    out = {"steps": int(state["step"]), "seconds": secs, "skipped_steps": int(state["skipped"]),
+           "final_train_loss": prog.last_loss}
+    if prog.first_eval and prog.last_eval:
+        a, b = prog.first_eval, prog.last_eval
+        lines.append(f"[done] held-out: {a['bpb']:.3f} -> {b['bpb']:.3f} bits/byte "
+                     f"({a['loss']:.3f} -> {b['loss']:.3f} nats/token), steps {a['step']} -> "
+                     f"{b['step']}")
+        out.update(heldout_first=_pick(a), heldout_last=_pick(b))
+    good = ckpt.last_good_step()
+    lines.append(f"[done] non-finite steps skipped: {int(state['skipped'])}; checkpoint "
+                 f"{ckpt.step_path(good) if good is not None else '-'}; metrics "
+                 f"{workdir / 'metrics.jsonl'}")
+    out["lines"] = lines
+    return out
+
+
+def _pick(e: dict) -> dict:
+    return {k: e[k] for k in ("step", "loss", "bpb", "accuracy")}
+
+
+def _count(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def _logical_axes(model_cfg):
+    try:
+        from k3jax.model import logical_axes
+        return logical_axes(model_cfg)
+    except Exception:  # noqa: BLE001 - names are a refinement; the optimiser falls back to shapes
+        return None
+
+
+def _mfu_fn(cfg):
+    """tokens/s -> model FLOP utilisation, or None where the peak is unknown (CPU)."""
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
+    if peak is None:
+        return None
+    from k3jax.accounting import train_flops_per_token
+
+    flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    return lambda tps: flops * tps / (peak * jax.device_count())
+
+
+def _placement(batch_size: int):
+    """Data parallel over all local devices: batches split on axis 0, the state replicated."""
+    n = jax.device_count()
+    if n == 1:
+        return lambda tree, replicate: jax.tree.map(jnp.asarray, tree)
+    if batch_size % n:
+        raise ValueError(f"data.batch_size={batch_size} must be divisible by the {n} devices")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    return lambda tree, replicate: jax.device_put(tree, rep if replicate else split)

@@ -1,0 +1,152 @@
+"""The jitted training step and the evaluation step.
+
+One optimiser step = ``M`` micro-batches (gradient accumulation): the gradients are summed with each
+micro-batch's loss scaled by its share of the step's predicted tokens, so the result equals one
+full-batch step. MoE balancing statistics are added across micro-batches and the router bias moves
+once, after the step (it selected with the old bias throughout). A non-finite loss or gradient
+keeps the old parameters, optimiser state and bias, and counts the step in ``bad_steps``
+(consecutive) and ``skipped`` (total); the loop stops the run when ``bad_steps`` grows too large.
+
+State (a plain dict, checkpointed as is)::
+
+    step [] int32, params, opt_state, balance (MoE router biases, {} without MoE),
+    rng [2] uint32 (per-step keys are fold_in(rng, step)), bad_steps [] int32, skipped [] int32
+
+A batch is a dict of ``[B, T]`` arrays ``tokens``, ``targets``, ``segment_ids``, ``weights``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax.ops import balancing
+
+MUTABLE = ["balance_stats", "diagnostics", "losses"]
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "weights")
+
+
+def init_state(params: dict, balance: dict, optimizer: optax.GradientTransformation,
+               seed: int) -> dict:
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": optimizer.init(params), "balance": balance,
+            "rng": jax.random.PRNGKey(seed), "bad_steps": jnp.zeros((), jnp.int32),
+            "skipped": jnp.zeros((), jnp.int32)}
+
+
+def token_nats(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Cross-entropy in nats per position: [B, T, V] fp32, [B, T] int -> [B, T] fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+
+
+def _is_stats(x) -> bool:
+    return isinstance(x, dict) and "load" in x
+
+
+def _variables(params, balance):
+    return {"params": params, "balance": balance} if balance else {"params": params}
+
+
+def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
+                    micro_batches: int, moe_cfg=None):
+    """-> ``step(state, batch) -> (state, metrics)``, to be jitted by the caller.
+
+    ``model`` is a ``K3Model``; ``moe_cfg`` the MoEConfig when the model has one (bias updates).
+    """
+
+    def micro_loss(params, balance, mb, total_tokens, rng):
+        logits, mut = model.apply(_variables(params, balance), mb["tokens"],
+                                  segment_ids=mb["segment_ids"], deterministic=False,
+                                  mutable=MUTABLE, rngs={"dropout": rng})
+        sum_nats = jnp.sum(token_nats(logits, mb["targets"]) * mb["weights"])
+        aux = sum((jnp.sum(x) for x in jax.tree.leaves(mut.get("losses", {}))), jnp.float32(0))
+        # Scaled so the micro-batch gradients add up to the full batch's mean-token gradient.
+        loss = sum_nats / total_tokens + aux / micro_batches
+        return loss, {"sum_nats": sum_nats, "aux": aux,
+                      "stats": mut.get("balance_stats", {}), "diag": mut.get("diagnostics", {})}
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def step(state, batch):
+        params, balance = state["params"], state["balance"]
+        mbs = {k: split_micro(batch[k], micro_batches) for k in BATCH_KEYS}
+        total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        rng = jax.random.fold_in(state["rng"], state["step"])
+        keys = jax.random.split(rng, micro_batches)
+
+        grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
+        if micro_batches > 1 and moe_cfg is not None and moe_cfg.balancing == "quantile":
+            # Exact QB keeps every margin, so its statistics grow per micro-batch: no scan carry.
+            for i in range(1, micro_batches):
+                g, o = grad_fn(params, balance, _index(mbs, i), total, keys[i])
+                grads, out = jax.tree.map(jnp.add, grads, g), _add_out(out, o)
+            out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
+        elif micro_batches > 1:
+            def body(carry, xs):
+                g_acc, o_acc = carry
+                mb, key = xs
+                g, o = grad_fn(params, balance, mb, total, key)
+                return (jax.tree.map(jnp.add, g_acc, g), _add_out(o_acc, o)), None
+            rest = jax.tree.map(lambda x: x[1:], (mbs, keys))
+            (grads, out), _ = jax.lax.scan(body, (grads, out), rest)
+            out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
+
+        loss = out["sum_nats"] / total
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(out["aux"]) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+               "balance": (balancing.update_balance(balance, out["stats"], moe_cfg)
+                           if balance else balance)}
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o),
+                           new, {k: state[k] for k in new})
+        state = {**state, **new, "step": state["step"] + 1,
+                 "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
+                 "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
+        metrics = {"loss": loss, "aux_loss": out["aux"], "sum_nats": out["sum_nats"],
+                   "tokens": total, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1),
+                   "finite": ok, "bad_steps": state["bad_steps"], "maxvio": _maxvio(out["stats"]), "diag": out["diag"]}
+        return state, metrics
+
+    return step
+
+
+def make_eval_step(model):
+    """-> ``eval_step(params, balance, batch) -> sums`` (nats, tokens, correct answers, diag)."""
+
+    def eval_step(params, balance, batch):
+        logits, mut = model.apply(_variables(params, balance), batch["tokens"],
+                                  segment_ids=batch["segment_ids"], deterministic=True,
+                                  mutable=["diagnostics"])
+        w = batch["weights"]
+        correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+        return {"sum_nats": jnp.sum(token_nats(logits, batch["targets"]) * w),
+                "tokens": jnp.sum(w), "correct": jnp.sum(correct * w),
+                "diag": mut.get("diagnostics", {})}
+
+    return eval_step
+
+
+def split_micro(x: jax.Array, micro_batches: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...]."""
+    return x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def _add_out(a: dict, b: dict) -> dict:
+    stats = jax.tree.map(balancing.add_stats, a["stats"], b["stats"], is_leaf=_is_stats)
+    return {"sum_nats": a["sum_nats"] + b["sum_nats"], "aux": a["aux"] + b["aux"],
+            "stats": stats, "diag": jax.tree.map(jnp.add, a["diag"], b["diag"])}
+
+
+def _maxvio(stats) -> dict:
+    """MaxVio per MoE layer (``[L]`` for a scanned stack), keyed by the layer's path."""
+    out = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(stats, is_leaf=_is_stats)[0]:
+        if _is_stats(s):
+            out[jax.tree_util.keystr(path)] = balancing.max_vio(s["load"])
+    return out

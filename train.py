@@ -1,0 +1,56 @@
+"""Train a K3 model from a config file.
+
+    python train.py --config configs/k3_tiny.py --workdir runs/tiny [--set train.steps=500 ...]
+
+The preset file's ``get_config()`` gives the experiment; ``--set`` overrides any field by its dotted
+name. Running the same command again resumes from the newest checkpoint in the workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from k3jax.config import ConfigError
+from k3jax.config.experiment import apply_overrides, load_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="preset file defining get_config()")
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics and plots go here")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set model.d_model=256 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        config = apply_overrides(load_config(args.config), args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+
+    from k3jax.train import NonFiniteError, run  # imports JAX: after the config is known good
+
+    # Compiled programs are cached next to the runs, so a resumed or repeated run starts at once.
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
+        Path(args.workdir).resolve().parent / ".jax_cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+    try:
+        run(config, args.workdir)
+    except (NonFiniteError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
