@@ -19,3 +19,24 @@ def model_config() -> ModelConfig:
         residual=ResidualConfig(kind="attnres", block_size_layers=3),
         rms_eps=1e-5,
     )
+
+
+def get_config():
+    """One-GPU experiment: debtext (English, byte-level BPE of the model's vocabulary), Muon + WSD.
+
+    The corpus path is relative to the repository root; ``--set data.sources=PATH`` points elsewhere.
+    """
+    from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
+                                         ExperimentConfig, OptimConfig, TrainConfig)
+
+    return ExperimentConfig(
+        model=model_config(),
+        data=DataConfig(sources=("../shared/data/debtext-150.tar.xz",), tokenizer="bpe",
+                        seq_len=2048, batch_size=32, heldout_fraction=0.01,
+                        max_doc_bytes=65536),
+        optim=OptimConfig(name="muon", lr=3e-3, schedule="wsd", warmup_steps=200,
+                          decay_fraction=0.2, weight_decay=0.1, clip_norm=1.0),
+        train=TrainConfig(steps=3000, log_every=10),
+        checkpoint=CheckpointConfig(every=500, keep=3),
+        eval=EvalConfig(every=250, batches=16, tasks=("mqar",)),
+    )
