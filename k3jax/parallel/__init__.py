@@ -10,9 +10,9 @@ from k3jax.parallel.distributed import (initialize_distributed, local_batch_rows
 from k3jax.parallel.mesh import check_experts_fit, expert_axis_size, make_mesh, use_mesh
 from k3jax.parallel.sharding import (batch_sharding, batch_shards, constrain, init_sharded,
                                      logical_to_sharding, shardings_of, variable_shardings)
-from k3jax.parallel.step import init_sharded_state, sharded_step
+from k3jax.parallel.step import batch_placement, init_sharded_state, sharded_step, under_mesh
 
-__all__ = ["batch_sharding", "batch_shards", "check_experts_fit", "constrain", "expert_axis_size",
-           "init_sharded", "init_sharded_state", "initialize_distributed", "local_batch_rows",
-           "logical_to_sharding", "make_global_batch", "make_mesh", "sharded_step", "shardings_of",
-           "use_mesh", "variable_shardings"]
+__all__ = ["batch_placement", "batch_sharding", "batch_shards", "check_experts_fit", "constrain",
+           "expert_axis_size", "init_sharded", "init_sharded_state", "initialize_distributed",
+           "local_batch_rows", "logical_to_sharding", "make_global_batch", "make_mesh",
+           "sharded_step", "shardings_of", "under_mesh", "use_mesh", "variable_shardings"]

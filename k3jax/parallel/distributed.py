@@ -65,7 +65,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     """Start ``jax.distributed`` when several processes are configured (see
     :func:`distributed_args`); must run before anything touches the devices. -> whether it did."""
     args = distributed_args(coordinator, num_processes, process_id)
-    if args is None:
+    if args is None or jax.distributed.is_initialized():
         return False
     if local_device_ids is not None:
         args["local_device_ids"] = local_device_ids

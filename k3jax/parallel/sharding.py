@@ -36,12 +36,14 @@ def variable_shardings(model_cfg, mesh: Mesh, rules) -> dict:
     return logical_to_sharding(logical_axes(model_cfg), mesh, rules)
 
 
-def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array) -> dict:
+def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array,
+                 batch_shape: tuple[int, int] = (1, 8)) -> dict:
     """``init_variables`` jitted with ``out_shardings`` from the rules: parameters are created
     already sharded over ``mesh``."""
     shardings = variable_shardings(model_cfg, mesh, rules)
     with jax.set_mesh(mesh):
-        return jax.jit(lambda r: init_variables(model_cfg, r), out_shardings=shardings)(rng)
+        return jax.jit(lambda r: init_variables(model_cfg, r, batch_shape),
+                       out_shardings=shardings)(rng)
 
 
 def _path_keys(path) -> tuple:

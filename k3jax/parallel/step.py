@@ -13,17 +13,20 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh
 
+from k3jax.config.base import ConfigError
+from k3jax.parallel.distributed import local_batch_rows, make_global_batch
 from k3jax.parallel.mesh import use_mesh
-from k3jax.parallel.sharding import (batch_sharding, init_sharded, like_params_shardings,
-                                     shardings_of)
+from k3jax.parallel.sharding import (batch_sharding, batch_shards, init_sharded,
+                                     like_params_shardings, shardings_of)
 
 
 def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,
-                       make_state: Callable[[dict, dict], dict]) -> dict:
+                       make_state: Callable[[dict, dict], dict],
+                       batch_shape: tuple[int, int] = (1, 8)) -> dict:
     """Sharded variables (:func:`init_sharded`) -> ``make_state(params, balance)`` jitted with
     ``out_shardings`` that give every parameter-shaped part of the state (optimiser moments) the
     parameter's layout; the rest is replicated."""
-    variables = init_sharded(model_cfg, mesh, rules, rng)
+    variables = init_sharded(model_cfg, mesh, rules, rng, batch_shape)
     params, balance = variables["params"], variables.get("balance", {})
     abstract = jax.eval_shape(make_state, params, balance)
     out = like_params_shardings(abstract, params, shardings_of(params), mesh)
@@ -45,4 +48,25 @@ def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool
     return run
 
 
-__all__ = ["init_sharded_state", "sharded_step"]
+def under_mesh(fn: Callable, mesh: Mesh, rules) -> Callable:
+    """``fn`` (e.g. a jitted evaluation step) called with the mesh and rules current."""
+    def run(*args, **kwargs):
+        with use_mesh(mesh, rules):
+            return fn(*args, **kwargs)
+    return run
+
+
+def batch_placement(mesh: Mesh, rules, global_batch: int) -> Callable[[dict], dict]:
+    """-> ``place(host_batch)``: this process's rows of each ``[B, ...]`` host array become one
+    global array split over the batch axes (every process passes the same global batch)."""
+    shards = batch_shards(mesh, rules)
+    if global_batch % shards:
+        raise ConfigError(f"data.batch_size={global_batch} must be divisible by the {shards} "
+                          f"batch shards of the mesh {dict(mesh.shape)}")
+    sharding = batch_sharding(mesh, rules)
+    rows = local_batch_rows(sharding, (global_batch,))
+    return lambda batch: make_global_batch({k: v[rows] for k, v in batch.items()}, sharding,
+                                           global_batch)
+
+
+__all__ = ["batch_placement", "init_sharded_state", "sharded_step", "under_mesh"]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -52,8 +51,12 @@ class Progress:
 
 def run(cfg, workdir: str | Path, log=None) -> dict:
     """Train ``cfg`` (an ExperimentConfig) in ``workdir``; resumes from its checkpoints."""
-    from k3jax.model import K3Model, init_variables
+    from k3jax.model import K3Model, abstract_variables
+    from k3jax.parallel import (batch_placement, check_experts_fit, init_sharded_state,
+                                initialize_distributed, make_mesh, sharded_step, shardings_of,
+                                under_mesh)
 
+    initialize_distributed()  # several processes (JAX_COORDINATOR_ADDRESS, SLURM, ...): join them
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = log or (lambda msg: tqdm.write(str(msg), file=sys.stderr))
@@ -63,12 +66,16 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
     log(f"[data] {data.description}")
     micro = cfg.data.batch_size // cfg.train.micro_batches
-    # Jitted: eager initialisation of the chunked layers runs op by op, several times slower.
-    variables = jax.jit(lambda key: init_variables(cfg.model, key, (micro, cfg.data.seq_len)))(
-        jax.random.PRNGKey(cfg.train.seed))
-    params, balance = variables["params"], variables.get("balance", {})
+    mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
+    if cfg.model.moe is not None:
+        check_experts_fit(mesh, rules, cfg.model.moe.num_experts)
+    params = abstract_variables(cfg.model, (micro, cfg.data.seq_len))["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, _logical_axes(cfg.model))
-    state = init_state(params, balance, optimizer, cfg.train.seed)
+    # Jitted with out_shardings: parameters and optimiser moments are created already sharded.
+    state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
+                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed),
+                               (micro, cfg.data.seq_len))
+    state_shardings = shardings_of(state)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
 
@@ -83,12 +90,13 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
     model = K3Model(cfg.model)
     on_cpu = jax.default_backend() == "cpu"
-    train_step = jax.jit(make_train_step(model, optimizer, schedule(cfg.optim, cfg.train.steps),
-                                         cfg.train.micro_batches, cfg.model.moe),
-                         donate_argnums=() if on_cpu else (0,))
-    eval_step = jax.jit(make_eval_step(model))
-    place = _placement(cfg.data.batch_size)
-    state = place(state, replicate=True)
+    state = jax.device_put(state, state_shardings)  # a restored state: back to the mesh layout
+    train_step = sharded_step(make_train_step(model, optimizer,
+                                              schedule(cfg.optim, cfg.train.steps),
+                                              cfg.train.micro_batches, cfg.model.moe),
+                              state, mesh, rules, donate=not on_cpu)
+    eval_step = under_mesh(jax.jit(make_eval_step(model)), mesh, rules)
+    place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
                          cfg.eval.batches, cfg.model.vocab_size)
 
@@ -117,8 +125,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     try:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
-            state, metrics = train_step(
-                state, place({k: host_batch[k] for k in BATCH_KEYS}, replicate=False))
+            state, metrics = train_step(state, place({k: host_batch[k] for k in BATCH_KEYS}))
             if pending is not None:
                 _check_finite(pending, cfg.train.max_bad_steps, ckpt)
             pending = (step + 1, metrics)
@@ -236,17 +243,3 @@ def _mfu_fn(cfg):
 
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
     return lambda tps: flops * tps / (peak * jax.device_count())
-
-
-def _placement(batch_size: int):
-    """Data parallel over all local devices: batches split on axis 0, the state replicated."""
-    n = jax.device_count()
-    if n == 1:
-        return lambda tree, replicate: jax.tree.map(jnp.asarray, tree)
-    if batch_size % n:
-        raise ValueError(f"data.batch_size={batch_size} must be divisible by the {n} devices")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-    return lambda tree, replicate: jax.device_put(tree, rep if replicate else split)
