@@ -228,7 +228,7 @@ def _count(params) -> int:
 def _logical_axes(model_cfg):
     try:
         from k3jax.model import logical_axes
-        return logical_axes(model_cfg)
+        return logical_axes(model_cfg)["params"]
     except Exception:  # noqa: BLE001 - names are a refinement; the optimiser falls back to shapes
         return None
 
