@@ -3,15 +3,14 @@
 ``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
 chunked form of SPEC 3.3, in three parts:
 
-1. :func:`pallas_kernels.kda_prep.prepare` (plain JAX under XLA, bf16 matmul operands): padding,
-   segment masks, the gates' chunk-local cumsum, the intra-chunk score matrices, the triangular
-   inverse, ``W, U, Qg, Kg`` (bf16 outputs but ``U``).
+1. :func:`pallas_kernels.kda_prep.prepare` (plain JAX under XLA): padding, segment masks, the gates'
+   chunk-local cumsum, the intra-chunk score matrices, the triangular inverse, ``W, U, Qg, Kg``.
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.
 
-Parts 2 and 3 are joined by ``jax.custom_vjp``; part 1 is differentiated by JAX's autodiff (with
-hand-written VJPs for its diagonal score blocks and triangular inverse), so every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
+Parts 2 and 3 are joined by ``jax.custom_vjp``; part 1 is differentiated by JAX's autodiff, so
+every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
 the kernels' matmul operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are
 therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
 """
@@ -55,9 +54,7 @@ def _state_pass_bwd(chunk_size, interpret, res, cts):
     dqg, dkg, dw, daqk, dgam, du, dh0 = state_bwd(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
-    # cotangents in the primals' dtype: kda_pallas passes qg, kg, w, aqk in bf16 (prepare(mixed=True))
-    dqg, dkg, dw, daqk = (_bf16(x.sum(0)) for x in (dqg, dkg, dw, daqk))
-    return dqg, dkg, dw, du, daqk, dgam.sum(0), dh0
+    return dqg.sum(0), dkg.sum(0), dw.sum(0), du, daqk.sum(0), dgam.sum(0), dh0
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
