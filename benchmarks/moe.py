@@ -78,8 +78,15 @@ def timed(fn, args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def model_config(shape: dict, dispatch: str) -> ModelConfig:
-    moe = MoEConfig(num_experts=shape["num_experts"], top_k=shape["top_k"],
+def split_name(name: str) -> tuple[str, float | None]:
+    """``"all_to_all@1.25"`` -> ``("all_to_all", 1.25)`` (a capacity factor); plain names dropless."""
+    kind, _, cf = name.partition("@")
+    return kind, (float(cf) if cf else None)
+
+
+def model_config(shape: dict, name: str) -> ModelConfig:
+    dispatch, cf = split_name(name)
+    moe = MoEConfig(capacity_factor=cf, num_experts=shape["num_experts"], top_k=shape["top_k"],
                     expert_intermediate=shape["expert_intermediate"],
                     latent_dim=shape["latent_dim"], shared_intermediate=shape["shared_intermediate"],
                     balancing="quantile_hist", dispatch=dispatch)
@@ -154,29 +161,35 @@ def bench_dispatch(shape, dispatches, gmms, args, out):
             ref = jax.jit(lambda *a: ragged_dispatch(*a, act))(x, ids, w, ew)
         mesh, rules = mesh_of(devices)
         for name in dispatches:
-            for gmm in (gmms if name in EP_DISPATCHES else ("ragged_dot",)):
+            for gmm in (gmms if split_name(name)[0] in EP_DISPATCHES else ("ragged_dot",)):
+                kind, cf = split_name(name)
                 rec = {"bench": "dispatch", "dispatch": name, "gmm": gmm, "devices": devices,
                        "tokens": int(x.shape[0])}
                 if name == "ragged" and devices > 1:
                     continue
-                if name == "ragged_all_to_all" and jax.default_backend() == "cpu":
+                if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
                     emit({**rec, "skipped": "no CPU lowering"}, out)
                     continue
                 try:
-                    if name == "ragged":
-                        f = lambda x, ids, w, ew: ragged_dispatch(x, ids, w, ew, act)  # noqa: E731
+                    if kind == "ragged":
+                        f = lambda x, ids, w, ew: (ragged_dispatch(x, ids, w, ew, act),  # noqa: E731
+                                                   jnp.zeros((), jnp.int32))
                     else:
-                        f = (lambda nm, g: lambda x, ids, w, ew: ep_dispatch(  # noqa: E731
-                            nm, x, ids, w, ew, act, gmm=g)[0])(name, gmm)
-                    loss = lambda x, w, ew, f=f: jnp.sum(f(x, ids, w, ew).astype(jnp.float32))  # noqa: E731
+                        f = (lambda nm, c, g: lambda x, ids, w, ew: ep_dispatch(  # noqa: E731
+                            nm, x, ids, w, ew, act, capacity_factor=c, gmm=g))(kind, cf, gmm)
+                    loss = lambda x, w, ew, f=f: jnp.sum(  # noqa: E731
+                        f(x, ids, w, ew)[0].astype(jnp.float32))
                     with kp.use_mesh(mesh, rules):
                         fwd = jax.jit(lambda x, w, ew, f=f: f(x, ids, w, ew))
                         both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                        y = fwd(x, w, ew)
+                        y, dropped = fwd(x, w, ew)
+                        rec["dropped_fraction"] = int(dropped) / ids.size
                         rec["fwd_ms"] = timed(fwd, (x, w, ew), args.iters, args.repeats)
                         rec["fwd_bwd_ms"] = timed(both, (x, w, ew), args.iters, args.repeats)
                     err = rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32))
-                    rec.update(rel_rms_vs_ragged=err, within_bf16_tol=bool(err <= BF16_OUT_TOL))
+                    rec["rel_rms_vs_ragged"] = err
+                    if cf is None:              # with a capacity factor, drops change the result
+                        rec["within_bf16_tol"] = bool(err <= BF16_OUT_TOL)
                 except Exception as e:  # noqa: BLE001
                     rec["error"] = f"{type(e).__name__}: {e}"[:500]
                 emit(rec, out)
@@ -211,11 +224,11 @@ def bench_step(shape, dispatches, gmm, args, out):
                    "tokens_per_device": shape["tokens_per_device"]}
             if name == "ragged" and devices > 1:
                 continue
-            if name == "ragged_all_to_all" and jax.default_backend() == "cpu":
+            if split_name(name)[0] == "ragged_all_to_all" and jax.default_backend() == "cpu":
                 emit({**rec, "skipped": "no CPU lowering"}, out)
                 continue
             try:
-                with_gmm(name, gmm)
+                with_gmm(split_name(name)[0], gmm)
                 rec["step_ms"] = run_step(model_config(shape, name), shape, mesh, rules, x, args)
                 rec["tokens_per_s"] = batch * shape["seq_len"] / rec["step_ms"] * 1e3
                 results[(devices, name)] = rec["tokens_per_s"]
@@ -274,7 +287,8 @@ def run_step(cfg: ModelConfig, shape, mesh, rules, x, args) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy shapes for a CPU smoke test")
-    p.add_argument("--dispatches", default="ragged,all_to_all,ring,ragged_all_to_all")
+    p.add_argument("--dispatches", default="ragged,all_to_all,all_to_all@1.25,ring,ring@1.25,"
+                   "ragged_all_to_all", help="NAME or NAME@CAPACITY_FACTOR, comma separated")
     p.add_argument("--gmm", default="ragged_dot,mosaic", help="grouped matmuls to compare")
     p.add_argument("--step-gmm", default="ragged_dot", help="grouped matmul of the step benchmark")
     p.add_argument("--skip", default="", help="comma list of grouped_matmul,dispatch,step")
