@@ -83,7 +83,7 @@ def test_bad_shapes_are_rejected_with_the_argument_named():
 
 # -- whole-stack drivers with toy sub-layers -------------------------------------------------------
 
-L_SUB = 6  # toy stack = a 3-layer model's sub-layers
+L_SUB = 4  # toy stack = a 2-layer model's sub-layers
 
 
 def _toy(seed=0, l_sub=L_SUB):
@@ -149,9 +149,9 @@ def _runners(block):
     }
 
 
-@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("block", [1, 3])
 def test_rule_static_and_traced_and_two_phase_equal_the_spec_bookkeeping(block):
-    """Block 1 is Full AttnRes; block 4 does not divide the 6 sub-layers (a partial last block)."""
+    """Block 1 is Full AttnRes; block 3 does not divide the 4 sub-layers (a partial last block)."""
     args = _toy(block)
     runs = _runners(block)
     ref = jax.jit(runs.pop("reference"))(*args)
@@ -165,10 +165,10 @@ def test_rule_static_and_traced_and_two_phase_equal_the_spec_bookkeeping(block):
 
 
 def test_full_attnres_without_bookkeeping_equals_block_size_one():
+    """(The rule and the two-phase form are held against block size 1 in the test above.)"""
     args = _toy(7)
     full = jax.jit(lambda e, m, q, n: full_attnres_reference(e, _fns(m), q, n, EPS))(*args)
-    for name, run in _runners(1).items():
-        assert rel_rms(full, jax.jit(run)(*args)) <= FP32_TOL, name
+    assert rel_rms(full, jax.jit(_runners(1)["reference"])(*args)) <= FP32_TOL
 
 
 @pytest.mark.parametrize("block", [1, 2, 3])

@@ -18,6 +18,14 @@ takes the same path through ``jnp.where`` and dynamic slot updates. The partial 
 own and enters the buffer only when committed, so every boundary tensor enters the softmax once. The
 bookkeeping is pure, so rematerialisation may recompute it without double counting.
 
+Memory (measured, see benchmarks/attnres.py and the issue 3 report): a read's backward needs the
+block buffer of that moment. Unrolled with static ``j``, reads between two commits share one buffer
+value; under ``nn.scan`` (or remat, which traces ``j``) every write makes a new buffer value, so the
+backward keeps about one ``[N, B, T, d]`` buffer per sub-layer: an ``O(L_sub * N * B * T * d)`` term,
+``O(L^2 d / S)``. Removing it needs the stack to keep completed blocks out of the scan carry (scan
+block by block with the buffer as a loop-invariant input); that is a change of the stack, not of
+this rule.
+
 Diagnostics (only when the ``diagnostics`` collection is mutable): each sub-layer's rule sows
 ``depth_weights [N + 1]``, its depth-attention weights averaged over tokens (slot ``i < N`` = block
 ``i``, block 0 the embedding; the last entry = the current partial sum; slots not yet committed are

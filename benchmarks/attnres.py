@@ -1,0 +1,121 @@
+"""What Attention Residuals add to a training step: plain residual vs AttnRes on one preset.
+
+One JSON line per variant (residual rule x remat policy) with the compiled step's memory
+(``memory_analysis()``: temporaries, arguments, outputs) and the median step time, then one line per
+remat policy with AttnRes over plain. The step is ``value_and_grad`` of the mean next-token loss with
+respect to all parameters (no optimiser), jitted; the model and its weights are identical apart from
+the residual rule (the AttnRes queries and key-norm weights exist only in the AttnRes model).
+
+    python benchmarks/attnres.py [--preset k3_small] [--batch 1] [--seq 256] [--no-moe]
+                                 [--remat none,full] [--block-layers N] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ResidualConfig
+from k3jax.model import K3Model, init_variables
+from k3jax.stack import plan_stack
+
+
+def variant_config(base, residual: str, remat: str, block_layers: int | None, no_moe: bool):
+    cfg = base.replace(remat=remat)
+    if no_moe:
+        cfg = cfg.replace(moe=None, first_k_dense=cfg.num_layers)
+    if residual == "plain":
+        return cfg.replace(residual=ResidualConfig(kind="plain"))
+    if block_layers is not None:
+        return cfg.replace(residual=ResidualConfig(kind="attnres", block_size_layers=block_layers))
+    if cfg.residual.kind != "attnres":
+        raise SystemExit("the preset has no AttnRes block size: pass --block-layers")
+    return cfg
+
+
+def make_step(cfg):
+    model = K3Model(cfg)
+
+    def loss(params, balance, tokens):
+        variables = {"params": params, **({"balance": balance} if balance else {})}
+        logits = model.apply(variables, tokens[:, :-1])
+        nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, tokens[:, 1:, None], -1)[..., 0]
+        return jnp.mean(nll)
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def measure(cfg, batch: int, seq: int, repeats: int) -> dict:
+    variables = jax.jit(init_variables, static_argnums=(0,))(cfg, jax.random.key(0))
+    params, balance = variables["params"], variables.get("balance", {})
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    step = make_step(cfg)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, balance, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    jax.block_until_ready(compiled(params, balance, tokens))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, balance, tokens))
+        times.append(time.perf_counter() - t0)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    return {"params": int(n_params), "compile_s": round(compile_s, 2),
+            "step_ms": round(1e3 * statistics.median(times), 2),
+            "temp_MiB": round(mem.temp_size_in_bytes / 2**20, 2),
+            "argument_MiB": round(mem.argument_size_in_bytes / 2**20, 2),
+            "output_MiB": round(mem.output_size_in_bytes / 2**20, 2)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="k3_small")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--remat", default="none,full")
+    p.add_argument("--block-layers", type=int, default=None,
+                   help="AttnRes block size in decoder layers (default: the preset's)")
+    p.add_argument("--no-moe", action="store_true", help="make every FFN dense")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    base = importlib.import_module(f"configs.{args.preset}").model_config()
+    lines = []
+    for remat in args.remat.split(","):
+        row = {}
+        for residual in ("plain", "attnres"):
+            cfg = variant_config(base, residual, remat, args.block_layers, args.no_moe)
+            plan = plan_stack(cfg)
+            line = {"bench": "attnres", "preset": args.preset, "backend": jax.default_backend(),
+                    "residual": residual, "block_sublayers": cfg.residual.block_sublayers,
+                    "remat": remat, "moe": cfg.moe is not None, "batch": args.batch,
+                    "seq": args.seq, "dtype": cfg.dtype, "scan_repeats": plan.repeats,
+                    **measure(cfg, args.batch, args.seq, args.repeats)}
+            row[residual] = line
+            lines.append(line)
+            print(json.dumps(line), flush=True)
+        a, b = row["attnres"], row["plain"]
+        cmp = {"bench": "attnres_vs_plain", "remat": remat,
+               "step_time_ratio": round(a["step_ms"] / b["step_ms"], 3),
+               "extra_temp_MiB": round(a["temp_MiB"] - b["temp_MiB"], 2),
+               "temp_ratio": round(a["temp_MiB"] / max(b["temp_MiB"], 1e-9), 3),
+               "extra_params": a["params"] - b["params"]}
+        lines.append(cmp)
+        print(json.dumps(cmp), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
