@@ -13,7 +13,6 @@ the residual rule (the AttnRes queries and key-norm weights exist only in the At
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import statistics
