@@ -17,8 +17,8 @@ Timing: jitted, compiled first, median of ``--repeats`` batches of ``--iters`` c
 around ``block_until_ready``). A configuration that fails to compile or run prints an ``error``
 line and the rest continues.
 
-    PYTHONPATH=. python benchmarks/moe.py [--out moe.jsonl]          # 2 GPUs: the full run
-    PYTHONPATH=. python benchmarks/moe.py --tiny                     # CPU smoke test (2 host devices)
+    PYTHONPATH=. python benchmarks/moe.py [--out moe.jsonl]  # 2 GPUs: the full run
+    PYTHONPATH=. python benchmarks/moe.py --tiny             # CPU smoke test (2 host devices)
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def timed(fn, args, iters: int, repeats: int) -> float:
 
 
 def split_name(name: str) -> tuple[str, float | None]:
-    """``"all_to_all@1.25"`` -> ``("all_to_all", 1.25)`` (a capacity factor); plain names dropless."""
+    """``"all_to_all@1.25"`` -> ``("all_to_all", 1.25)`` (capacity factor); plain: dropless."""
     kind, _, cf = name.partition("@")
     return kind, (float(cf) if cf else None)
 
@@ -88,7 +88,8 @@ def model_config(shape: dict, name: str) -> ModelConfig:
     dispatch, cf = split_name(name)
     moe = MoEConfig(capacity_factor=cf, num_experts=shape["num_experts"], top_k=shape["top_k"],
                     expert_intermediate=shape["expert_intermediate"],
-                    latent_dim=shape["latent_dim"], shared_intermediate=shape["shared_intermediate"],
+                    latent_dim=shape["latent_dim"],
+                    shared_intermediate=shape["shared_intermediate"],
                     balancing="quantile_hist", dispatch=dispatch)
     return ModelConfig(d_model=shape["d_model"], moe=moe, dtype="bfloat16", param_dtype="float32",
                        init_std=0.02)
@@ -132,8 +133,8 @@ def bench_grouped_matmul(shape, impls, args, out):
                   "rel_rms_vs_first": rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32)),
                   "platform": jax.devices()[0].platform}, out)
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit({"bench": "grouped_matmul", "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]},
-                 out)
+            emit({"bench": "grouped_matmul", "impl": impl,
+                  "error": f"{type(e).__name__}: {e}"[:500]}, out)
 
 
 # -- dispatch alone ------------------------------------------------------------------------------
@@ -172,8 +173,8 @@ def bench_dispatch(shape, dispatches, gmms, args, out):
                     continue
                 try:
                     if kind == "ragged":
-                        f = lambda x, ids, w, ew: (ragged_dispatch(x, ids, w, ew, act),  # noqa: E731
-                                                   jnp.zeros((), jnp.int32))
+                        f = lambda x, ids, w, ew: (  # noqa: E731
+                            ragged_dispatch(x, ids, w, ew, act), jnp.zeros((), jnp.int32))
                     else:
                         f = (lambda nm, c, g: lambda x, ids, w, ew: ep_dispatch(  # noqa: E731
                             nm, x, ids, w, ew, act, capacity_factor=c, gmm=g))(kind, cf, gmm)

@@ -195,7 +195,7 @@ def test_block_statistics_and_dropped_count_under_mesh():
     ids, _ = route(scores, variables["balance"]["bias"], K, 1.0)
     cap = capacity("all_to_all", x.shape[0] * x.shape[1] // 4 * K, 2, 1.0)
     keep = _kept_slots(np.asarray(ids), "all_to_all", token_shards=4, e_shards=2, cap=cap)
-    (sown,) = mut_cap["diagnostics"]["dropped_slots"]
+    sown = mut_cap["diagnostics"]["dropped_slots"]
     assert int(sown) == int((~keep).sum()) > 0
     assert rel_rms(y_ref, y_cap) > 10 * FP32_TOL                    # dropped slots change outputs
 

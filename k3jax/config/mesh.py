@@ -87,7 +87,8 @@ class MeshConfig:
         try:
             rules = tuple((str(name), _as_axes(axes)) for name, axes in self.rules)
         except (TypeError, ValueError):
-            fail(self, "rules", self.rules, "expected a sequence of (logical name, mesh axes) pairs")
+            fail(self, "rules", self.rules,
+                 "expected a sequence of (logical name, mesh axes) pairs")
         object.__setattr__(self, "rules", rules)
         for name, axes in rules:
             unknown = [a for a in rule_axes(((name, axes),), name) if a not in MESH_AXES]

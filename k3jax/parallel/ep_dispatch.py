@@ -8,7 +8,7 @@ and norm and the shared MLP stay outside: only the routed tokens cross devices.
 Layout, read from the mesh and rules table made current by :func:`k3jax.parallel.mesh.use_mesh`:
 the tokens ``N`` are split over the ``batch`` rule's mesh axes (which include the expert axes), the
 experts over the ``exp`` rule's axes (``E_p`` shards of ``E_l = E / E_p`` experts), the experts'
-hidden width over the ``mlp`` rule's remaining axes (tensor parallelism: partial sums, one ``psum``).
+hidden width over the ``mlp`` rule's remaining axes (tensor parallelism: partial sums, a ``psum``).
 One ``shard_map`` with every mesh axis manual (a nested one broke lowering and autodiff for others).
 
 Per device with ``n`` tokens, ``S = n k`` routed slots:
@@ -55,8 +55,8 @@ F32 = jnp.float32
 
 @dataclass(frozen=True)
 class EPLayout:
-    """Mesh axes of the dispatch: tokens split over ``token_axes`` (``n_token_shards`` ways), experts
-    over ``expert_axes`` (``expert_shards`` ways), the experts' hidden width over ``mlp_axes``."""
+    """Mesh axes of the dispatch: tokens split over ``token_axes`` (``token_shards`` ways),
+    experts over ``expert_axes`` (``expert_shards`` ways), their hidden width over ``mlp_axes``."""
 
     token_axes: tuple[str, ...]
     expert_axes: tuple[str, ...]
@@ -80,8 +80,8 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
     token_shards = math.prod(sizes[a] for a in tokens)
     expert_shards = math.prod(sizes[a] for a in experts)
     if num_experts % expert_shards:
-        raise ConfigError(f"MoEConfig.num_experts={num_experts} is not divisible by the expert axis "
-                          f"size {expert_shards} (mesh {sizes}, 'exp' -> {experts})")
+        raise ConfigError(f"MoEConfig.num_experts={num_experts} is not divisible by the expert "
+                          f"axis size {expert_shards} (mesh {sizes}, 'exp' -> {experts})")
     if num_tokens % token_shards:
         raise ConfigError(f"expert-parallel dispatch: {num_tokens} tokens (batch x length) do not "
                           f"split evenly over the batch axes {tokens} ({token_shards} shards)")
@@ -92,10 +92,10 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
                  gmm: str, mlp_axes: tuple[str, ...]) -> jax.Array:
-    """Local experts on rows already in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
+    """Local experts on rows in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
 
-    Rows past ``sum(sizes)`` are padding and come out zero. With tensor parallelism each device holds
-    a slice of the hidden width, so the down projection is a partial sum (``psum`` over it).
+    Rows past ``sum(sizes)`` are padding and come out zero. With tensor parallelism each device
+    holds a slice of the hidden width, so the down projection is a partial sum (``psum`` over it).
     """
     gate = grouped_matmul(xs, experts.w_gate, sizes, gmm)
     up = grouped_matmul(xs, experts.w_up, sizes, gmm)
@@ -107,7 +107,7 @@ def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: G
 
 
 def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, gmm, mlp_axes):
-    """Rows in any order with local expert ids (``e_local`` marks padding) -> outputs, same order."""
+    """Rows in any order with local expert ids (``e_local``: padding) -> outputs, same order."""
     order = jnp.argsort(local_ids, stable=True)                     # padding sorts last
     sizes = jnp.bincount(local_ids, length=e_local).astype(jnp.int32)
     ys = _grouped_ffn(jnp.take(xs, order, axis=0), sizes, experts, act, gmm, mlp_axes)
@@ -211,7 +211,7 @@ _BODIES = {"all_to_all": _all_to_all_body, "ring": _ring_body,
 
 
 def capacity(kind: str, slots_per_device: int, e_shards: int, capacity_factor: float | None) -> int:
-    """Rows of the per-device buffer (see the module docstring); dropless when the factor is None."""
+    """Rows of the per-device buffer (module docstring); dropless when the factor is None."""
     if kind == "all_to_all":        # one buffer per owner; balanced routing sends S / E_p to each
         worst, balanced = slots_per_device, slots_per_device / e_shards
     else:                           # one buffer per expert device; balanced routing brings it S
@@ -221,7 +221,7 @@ def capacity(kind: str, slots_per_device: int, e_shards: int, capacity_factor: f
     return max(1, min(worst, math.ceil(capacity_factor * balanced)))
 
 
-# -- the dispatch functions -------------------------------------------------------------------------
+# -- the dispatch functions ------------------------------------------------------------------------
 
 def ep_dispatch(kind: str, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                 experts: ExpertWeights, act: GLUSpec, *, capacity_factor: float | None = None,
@@ -259,7 +259,10 @@ def report_dropped(dropped: jax.Array) -> None:
     module = stack[-1] if stack else None
     if module is not None and module.scope is not None and \
             module.is_mutable_collection("diagnostics"):
-        module.sow("diagnostics", "dropped_slots", dropped.astype(F32))
+        # One value per forward, not flax's default tuple of appended values: a lifted scan
+        # traces the block more than once and would leave a placeholder entry beside the count.
+        module.sow("diagnostics", "dropped_slots", dropped.astype(F32),
+                   reduce_fn=lambda _, x: x, init_fn=lambda: jnp.zeros((), F32))
 
 
 def make_ep_dispatch(kind: str, capacity_factor: float | None = None, gmm: str = "ragged_dot"):

@@ -1,5 +1,5 @@
-"""The device mesh built from a :class:`~k3jax.config.mesh.MeshConfig`, and the context that makes it
-current (for ``jax.shard_map``, sharding constraints and the rules table)."""
+"""The device mesh built from a :class:`~k3jax.config.mesh.MeshConfig`, and the context that makes
+it current (for ``jax.shard_map``, sharding constraints and the rules table)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from k3jax.config.base import ConfigError
-from k3jax.config.mesh import MESH_AXES, MeshConfig
+from k3jax.config.mesh import MESH_AXES, MeshConfig, rule_axes
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -31,7 +31,6 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
 def expert_axis_size(mesh: Mesh, rules) -> int:
     """Number of expert-parallel shards (product of the mesh axes the ``exp`` rule names)."""
-    from k3jax.config.mesh import rule_axes
     size = 1
     for a in rule_axes(rules, "exp"):
         size *= mesh.shape[a]

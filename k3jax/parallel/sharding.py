@@ -80,7 +80,7 @@ def batch_axes(rules) -> tuple[str, ...]:
 
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
-    """Sharding of a ``[B, ...]`` batch array: rows split over :func:`batch_axes`, rest replicated."""
+    """Sharding of a ``[B, ...]`` batch: rows split over :func:`batch_axes`, the rest replicated."""
     axes = batch_axes(rules)
     first = axes[0] if len(axes) == 1 else (axes or None)
     return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
