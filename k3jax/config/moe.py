@@ -39,6 +39,7 @@ class MoEConfig:
     aux_loss_alpha: float = 1e-4
     aux_loss_per_sequence: bool = False
     dispatch: str = "ragged"
+    grouped_matmul: str = "ragged_dot"
     capacity_factor: float | None = None
 
     def __post_init__(self):
@@ -61,6 +62,7 @@ class MoEConfig:
         require(self.aux_free_gamma > 0, self, "aux_free_gamma", "expected > 0")
         require(self.aux_loss_alpha >= 0, self, "aux_loss_alpha", "expected >= 0")
         one_of(self, "dispatch", DISPATCH)
+        one_of(self, "grouped_matmul", ("ragged_dot", "mosaic"))
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             fail(self, "capacity_factor", self.capacity_factor, "expected None (dropless) or > 0")
 

@@ -55,6 +55,8 @@ DispatchFn = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, GLUSpec],
 DispatchFactory = Callable[[object], DispatchFn]
 
 _REGISTRY: dict[str, DispatchFactory] = {}
+# Registered by k3jax.parallel.ep_dispatch, imported on first use so configs need no extra import.
+EXPERT_PARALLEL = ("all_to_all", "ring", "ragged_all_to_all")
 
 
 def register_dispatch(name: str, factory: DispatchFactory, *, overwrite: bool = False) -> None:
@@ -72,6 +74,8 @@ def registered_dispatches() -> tuple[str, ...]:
 def make_dispatch(moe_cfg) -> DispatchFn:
     """The dispatch function named by ``moe_cfg.dispatch``; an unregistered name is a clear error."""
     name = moe_cfg.dispatch
+    if name in EXPERT_PARALLEL and name not in _REGISTRY:
+        import k3jax.parallel.ep_dispatch  # noqa: F401  (registers the shard_map dispatches)
     if name not in _REGISTRY:
         raise ValueError(
             f"MoEConfig.dispatch={name!r} has no registered implementation; registered: "

@@ -290,9 +290,7 @@ def make_ep_dispatch(kind: str, capacity_factor: float | None = None, gmm: str =
 
 
 def _factory(kind: str):
-    # ``grouped_matmul`` is read if MoEConfig grows that field (else the reference ragged_dot).
-    return lambda cfg: make_ep_dispatch(kind, cfg.capacity_factor,
-                                        getattr(cfg, "grouped_matmul", "ragged_dot"))
+    return lambda cfg: make_ep_dispatch(kind, cfg.capacity_factor, cfg.grouped_matmul)
 
 
 for _kind in EP_DISPATCHES:
