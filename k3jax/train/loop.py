@@ -125,6 +125,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     try:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
+            t_call = time.time()
             state, metrics = train_step(state, place({k: host_batch[k] for k in BATCH_KEYS}))
             if pending is not None:
                 _check_finite(pending, cfg.train.max_bad_steps, ckpt)
@@ -133,6 +134,9 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
             if step == start:  # the first step includes compilation: time from its end
                 jax.block_until_ready(metrics["loss"])
                 prog.window_t, prog.window_steps = time.time(), 0
+                first = prog.window_t - t_call
+                writer.write(done, "compile", {"first_step_s": first})
+                log(f"[compile] first train step (compile + one step) took {first:.1f} s")
             else:
                 prog.window_steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
