@@ -49,7 +49,7 @@ from k3jax.ops import moe_dispatch  # noqa: E402
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
 from k3jax.parallel.ep_dispatch import EP_DISPATCHES, ep_dispatch, make_ep_dispatch  # noqa: E402
-from k3jax.parallel.grouped_matmul import grouped_matmul  # noqa: E402
+from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
 
 FULL = dict(d_model=2048, num_experts=64, top_k=8, latent_dim=1024, expert_intermediate=768,
             shared_intermediate=2048, layers=4, tokens_per_device=16384, seq_len=2048)

@@ -14,6 +14,7 @@ def model_config() -> ModelConfig:
                       qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
         dense_ffn=FFNConfig(intermediate_size=2048, activation="situ_glu"),
         moe=MoEConfig(num_experts=16, top_k=2, expert_intermediate=384, latent_dim=384,
+                      grouped_matmul="mosaic",
                       latent_norm=True, shared_intermediate=768, activation="situ_glu",
                       balancing="quantile_hist"),
         residual=ResidualConfig(kind="attnres", block_size_layers=3),

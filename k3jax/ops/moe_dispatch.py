@@ -17,12 +17,14 @@ expert-parallel code registers ``"all_to_all"``, ``"ring"`` and ``"ragged_all_to
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.ops.activations import glu
+from k3jax.ops.grouped_matmul import grouped_matmul
 
 
 class ExpertWeights(NamedTuple):
@@ -104,9 +106,10 @@ def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
 
 
 def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                    experts: ExpertWeights, act: GLUSpec) -> jax.Array:
+                    experts: ExpertWeights, act: GLUSpec, impl: str = "ragged_dot") -> jax.Array:
     """Dropless single-device dispatch: sort the ``N*k`` (token, slot) pairs by expert, run the
-    experts as grouped matmuls (``jax.lax.ragged_dot``), unsort, combine in fp32.
+    experts as grouped matmuls (:func:`~k3jax.ops.grouped_matmul.grouped_matmul`, ``impl``
+    ``"ragged_dot"`` or the Hopper ``"mosaic"`` kernels), unsort, combine in fp32.
 
     Experts that receive no token are empty groups (their weights get a zero gradient).
     """
@@ -117,10 +120,10 @@ def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     order = jnp.argsort(flat_ids, stable=True)                         # expert-major slot order
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)                               # [N*k, D]
-    gate = jax.lax.ragged_dot(xs, experts.w_gate, group_sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, experts.w_up, group_sizes, preferred_element_type=jnp.float32)
+    gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl)
+    up = grouped_matmul(xs, experts.w_up, group_sizes, impl)
     h = act(gate, up).astype(x.dtype)
-    ys = jax.lax.ragged_dot(h, experts.w_down, group_sizes, preferred_element_type=jnp.float32)
+    ys = grouped_matmul(h, experts.w_down, group_sizes, impl)
     # Inverse permutation by scatter (no second sort); gathering with it keeps the backward a scatter.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
@@ -145,7 +148,8 @@ def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 
 
-register_dispatch("ragged", lambda cfg: ragged_dispatch)
+register_dispatch("ragged", lambda cfg: functools.partial(ragged_dispatch,
+                                                          impl=cfg.grouped_matmul))
 register_dispatch("dense", lambda cfg: dense_dispatch)
 
 __all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "check_dispatch_args", "dense_dispatch",

@@ -52,8 +52,11 @@ class MetricsWriter:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:  # e.g. a GPU image without it: JSONL alone still has everything
+                print("[metrics] tensorboardX is not installed: writing metrics.jsonl only")
+                return
             self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=resume_step + 1
                                      if resume_step else None)
 
