@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ResidualConfig
 from k3jax.model import K3Model, init_variables
-from k3jax.stack import plan_stack
+from k3jax.stack import plan_segments
 
 
 def variant_config(base, residual: str, remat: str, block_layers: int | None, no_moe: bool):
@@ -94,11 +94,12 @@ def main(argv=None) -> None:
         row = {}
         for residual in ("plain", "attnres"):
             cfg = variant_config(base, residual, remat, args.block_layers, args.no_moe)
-            plan = plan_stack(cfg)
+            plans = plan_segments(cfg)
             line = {"bench": "attnres", "preset": args.preset, "backend": jax.default_backend(),
                     "residual": residual, "block_sublayers": cfg.residual.block_sublayers,
                     "remat": remat, "moe": cfg.moe is not None, "batch": args.batch,
-                    "seq": args.seq, "dtype": cfg.dtype, "scan_repeats": plan.repeats,
+                    "seq": args.seq, "dtype": cfg.dtype, "scans": sum(p.repeats > 0 for p in plans),
+                    "scanned_layers": sum(p.scan_stop - p.scan_start for p in plans),
                     **measure(cfg, args.batch, args.seq, args.repeats)}
             row[residual] = line
             lines.append(line)

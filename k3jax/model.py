@@ -19,34 +19,39 @@ from k3jax.config import ModelConfig
 from k3jax.layers.decoder import DecoderLayer
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
-from k3jax.layers.residual import initial_state, make_final_read
-from k3jax.stack import plan_stack
+from k3jax.layers.residual import initial_state, join_state, make_final_read, settle, split_state
+from k3jax.stack import StackPlan, plan_segments
 
 # Collections that hold one entry per scanned layer group (stacked on axis 0).
 SCANNED_COLLECTIONS = ("params", "balance", "balance_stats", "losses", "diagnostics")
 
 
-def _remat(cls, policy: str):
+def _remat(cls, policy: str, static_index: bool):
     if policy == "none":
         return cls
     saveable = None if policy == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    # deterministic (last positional argument) is a Python bool and must stay static.
-    return nn.remat(cls, policy=saveable, static_argnums=(4,), prevent_cse=False)
+    # deterministic (argument 4, counting self) is a Python bool and must stay static; so must the
+    # layer index (argument 2) of an unrolled layer, which keeps the residual bookkeeping static.
+    return nn.remat(cls, policy=saveable, static_argnums=(2, 4) if static_index else (4,),
+                    prevent_cse=False)
 
 
 class LayerGroup(nn.Module):
-    """One period of the hybrid schedule; the body of the scanned stack."""
+    """One period of the hybrid schedule; the body of a scan. Carries the residual state's
+    ``carry`` part; ``invariant`` (AttnRes: the completed blocks) is broadcast to every step."""
 
     cfg: ModelConfig
     group: tuple[tuple[str, str], ...]
 
     @nn.compact
-    def __call__(self, state, first_layer, segment_ids, deterministic: bool):
-        layer_cls = _remat(DecoderLayer, self.cfg.remat)
+    def __call__(self, carry, first_layer, invariant, segment_ids, deterministic: bool):
+        layer_cls = _remat(DecoderLayer, self.cfg.remat, static_index=False)
         for offset, (mixer, ffn) in enumerate(self.group):
+            state = join_state(self.cfg, carry, invariant)
             state = layer_cls(self.cfg, mixer, ffn, name=f"layer_{offset}")(
                 state, first_layer + offset, segment_ids, deterministic)
-        return state, None
+            carry, _ = split_state(self.cfg, state)
+        return carry, None
 
 
 class K3Model(nn.Module):
@@ -64,8 +69,21 @@ class K3Model(nn.Module):
                            (cfg.vocab_size, cfg.d_model), pdt)
         state = initial_state(cfg, jnp.take(table, tokens, axis=0).astype(cdt))
 
-        plan = plan_stack(cfg)
-        layer_cls = _remat(DecoderLayer, cfg.remat)
+        for plan in plan_segments(cfg):  # the whole stack, or one AttnRes block after another
+            state = self._segment(plan, state, segment_ids, deterministic)
+
+        h = make_final_read(cfg)(state)
+        h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
+        head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
+                          (cfg.d_model, cfg.vocab_size), pdt)
+        return jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
+                          preferred_element_type=jnp.float32)
+
+
+    def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool):
+        """Layers ``[plan.start, plan.end)``: unrolled prefix, scanned groups, unrolled suffix."""
+        cfg = self.cfg
+        layer_cls = _remat(DecoderLayer, cfg.remat, static_index=True)
         for i in plan.prefix:
             state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
                 state, i, segment_ids, deterministic)
@@ -74,23 +92,20 @@ class K3Model(nn.Module):
                 LayerGroup,
                 variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=plan.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             starts = plan.scan_start + len(plan.group) * jnp.arange(plan.repeats)
-            state, _ = scanned(cfg, plan.group, name="scanned_layers")(
-                state, starts, segment_ids, deterministic)
+            carry, invariant = split_state(cfg, state)
+            carry, _ = scanned(cfg, plan.group, name=plan.name)(
+                carry, starts, invariant, segment_ids, deterministic)
+            # a traced layer index could not commit a block the scan completed: do it now
+            state = settle(cfg, join_state(cfg, carry, invariant), 2 * plan.scan_stop)
         for i in plan.suffix:
             state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
                 state, i, segment_ids, deterministic)
-
-        h = make_final_read(cfg)(state)
-        h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
-        head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
-                          (cfg.d_model, cfg.vocab_size), pdt)
-        return jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
-                          preferred_element_type=jnp.float32)
+        return state
 
 
 def _check_tokens(tokens, segment_ids) -> None:

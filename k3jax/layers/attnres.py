@@ -1,36 +1,39 @@
 """Attention Residuals as the model's residual rule (SPEC 5), behind the seam of ``residual.py``.
 
-State: ``AttnResState(blocks [N, B, T, d], partial [B, T, d])`` with ``N = ceil(L_sub / S)`` slots,
-the number of blocks including the embedding (``L_sub`` sub-layers, block size ``S``). Sources for a
-read are ``blocks[:count]`` and ``partial``, so at most ``N + 1``: the buffer grows with the number of
-blocks, never with the number of sub-layers (except in Full AttnRes, where they coincide).
+State: ``AttnResState(blocks, partial)``. ``blocks`` is a Python tuple of the completed blocks (each
+``[B, T, d]``, the embedding first); ``partial [B, T, d]`` is the running sum of the current block's
+sub-layer outputs, ``None`` right after a commit. SPEC 5's bookkeeping, with the commit of a block
+done as soon as its last sub-layer has written (equivalent to SPEC 5's commit at the next read, since
+a block's first sub-layer reads the just-closed block as a source either way)::
 
-SPEC 5's bookkeeping, with ``count`` the number of blocks committed before sub-layer ``j`` reads::
+    initial:  blocks = (embedding,); partial = None              # "j = 0 commits the embedding"
+    read(j):  h = mix(blocks + (partial,), w_j)                   # no partial at a block start
+    write(j): partial = out if partial is None else partial + out
+              if (j + 1) % S == 0: blocks += (partial,); partial = None            # commit
+    final:    h = mix(blocks + (partial,), w_out)
 
-    count(j) = ceil(j / S)                        # commits happen at j = 0, S, 2S, ...
-    read(j):  h = mix(blocks[:count(j)] + [partial], w_j)        # j = 0: just the embedding
-    write(j): if j % S == 0: blocks[j // S] = partial; partial = out     # j = 0 commits the embedding
-              else:          partial = partial + out
+Every boundary tensor enters the softmax once: the partial sum is a source until it is committed,
+then a block. The bookkeeping is pure (a tuple append), so rematerialisation never redoes it.
 
-``count`` is a function of ``j`` rather than carried, so a static ``j`` (unrolled layer) keeps all
-bookkeeping static (Python branches, blocks change only at commits) while a traced ``j`` (``nn.scan``)
-takes the same path through ``jnp.where`` and dynamic slot updates. The partial sum is a source of its
-own and enters the buffer only when committed, so every boundary tensor enters the softmax once. The
-bookkeeping is pure, so rematerialisation may recompute it without double counting.
+Scanned stacks. A commit changes the tuple's length, so it never happens inside a scan: the stack
+(``k3jax/model.py``, plans in ``k3jax/stack.py``) runs block by block and only scans layers within
+one block. A scan carries just ``partial`` (zeros at a block start); the tuple enters the scan as a
+broadcast, loop-invariant input (:func:`split_state` / :func:`join_state`). With a traced ``j`` the
+read masks the partial sum where ``j % S == 0`` and the write does not commit; the stack calls
+:func:`settle` after the scan to commit the block the scan completed.
 
-Memory (measured, see benchmarks/attnres.py and the issue 3 report): a read's backward needs the
-block buffer of that moment. Unrolled with static ``j``, reads between two commits share one buffer
-value; under ``nn.scan`` (or remat, which traces ``j``) every write makes a new buffer value, so the
-backward keeps about one ``[N, B, T, d]`` buffer per sub-layer: an ``O(L_sub * N * B * T * d)`` term,
-``O(L^2 d / S)``. Removing it needs the stack to keep completed blocks out of the scan carry (scan
-block by block with the buffer as a loop-invariant input); that is a change of the stack, not of
-this rule.
+Memory. Each block array is created once; every later read refers to the same array, and
+:func:`~k3jax.ops.attnres.depth_mix`'s custom VJP saves only its inputs and ``[n, B, T]`` statistics,
+so the backward pass keeps each block once (loop-invariant scan inputs are saved once, not per
+iteration) plus, per sub-layer, what a plain residual keeps (its input ``h`` and the carry
+``partial``): AttnRes adds ``O(L_sub + N)`` arrays of ``[B, T, d]``, never ``O(L_sub * N)``
+(measured in tests/test_attnres.py and benchmarks/attnres.py).
 
 Diagnostics (only when the ``diagnostics`` collection is mutable): each sub-layer's rule sows
-``depth_weights [N + 1]``, its depth-attention weights averaged over tokens (slot ``i < N`` = block
-``i``, block 0 the embedding; the last entry = the current partial sum; slots not yet committed are
-0); the final read sows those of the final aggregation and ``block_rms [N + 1]``, the RMS of the
-embedding, of every block's sum of sub-layer outputs and of the last block's (the final partial).
+``depth_weights [N + 1]`` (``N = ceil(L_sub / S)``), its depth-attention weights averaged over tokens,
+slot ``i`` = block ``i`` (0: the embedding; ``i >= 1``: the ``i``-th block's sum of sub-layer outputs,
+completed or the current partial sum), zero for blocks that do not exist yet; the final read sows
+those of the final aggregation and ``block_rms [N + 1]``, the RMS of each of its sources.
 """
 
 from __future__ import annotations
@@ -47,17 +50,17 @@ from k3jax.ops.attnres import depth_mix
 
 
 class AttnResState(NamedTuple):
-    blocks: jax.Array   # [N, B, T, d] completed blocks (slot 0: the embedding); later slots 0
-    partial: jax.Array  # [B, T, d] running sum of the current block's sub-layer outputs
+    blocks: tuple[jax.Array, ...]  # completed blocks, each [B, T, d]; blocks[0] is the embedding
+    partial: jax.Array | None      # [B, T, d] running sum of the current block; None after a commit
 
 
 def num_block_slots(cfg: ModelConfig) -> int:
-    """``N = ceil(L_sub / S)``: blocks committed over the whole stack, the embedding included."""
-    s = _block(cfg)
-    return -(-cfg.num_sublayers // s)
+    """``N = ceil(L_sub / S)``: the final read has ``N + 1`` sources (embedding + ``N`` blocks)."""
+    return -(-cfg.num_sublayers // block_size(cfg))
 
 
-def _block(cfg: ModelConfig) -> int:
+def block_size(cfg: ModelConfig) -> int:
+    """The block size ``S`` in sub-layers."""
     s = cfg.residual.block_sublayers
     if cfg.residual.kind != "attnres" or s is None:
         raise ValueError(f"AttnRes needs residual.kind='attnres' with a block size; got "
@@ -66,9 +69,30 @@ def _block(cfg: ModelConfig) -> int:
 
 
 def initial_state(cfg: ModelConfig, embedding: jax.Array) -> AttnResState:
-    """The state before sub-layer 0: no committed block, the partial sum is the embedding."""
-    blocks = jnp.zeros((num_block_slots(cfg),) + embedding.shape, embedding.dtype)
-    return AttnResState(blocks, embedding)
+    """The state before sub-layer 0: the embedding is committed as block 0, no partial sum."""
+    block_size(cfg)
+    return AttnResState((embedding,), None)
+
+
+def settle(cfg: ModelConfig, state: AttnResState, next_j: int) -> AttnResState:
+    """Commit the partial sum if sub-layer ``next_j`` (static) starts a block; else unchanged.
+
+    Idempotent: after a commit the partial sum is ``None``.
+    """
+    if next_j % block_size(cfg) == 0 and state.partial is not None:
+        return AttnResState(state.blocks + (state.partial,), None)
+    return state
+
+
+def split_state(state: AttnResState) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """``(carry, invariant)`` for a scan inside one block: the partial sum (zeros at a block start,
+    masked by the traced reads) is carried; the completed blocks are loop-invariant."""
+    partial = jnp.zeros_like(state.blocks[-1]) if state.partial is None else state.partial
+    return partial, state.blocks
+
+
+def join_state(carry: jax.Array, invariant: tuple[jax.Array, ...]) -> AttnResState:
+    return AttnResState(invariant, carry)
 
 
 class _DepthMix(nn.Module):
@@ -81,46 +105,50 @@ class _DepthMix(nn.Module):
         self.query = self.param("query", zeros(("embed",)), (d,), pdt)
         self.key_norm = self.param("key_norm", ones(("norm",)), (d,), pdt)
 
-    def mix(self, state: AttnResState, count) -> jax.Array:
-        h, alpha = depth_mix(state.blocks, count, state.partial, self.query, self.key_norm,
-                             self.cfg.rms_eps)
+    def mix(self, state: AttnResState, partial_valid=True) -> jax.Array:
+        h, alpha = depth_mix(state.blocks, state.partial, self.query, self.key_norm,
+                             self.cfg.rms_eps, partial_valid)
         if _diagnosing(self):
-            _sow(self, "depth_weights", jnp.mean(alpha, axis=(1, 2)))
+            weights = jnp.mean(alpha, axis=(1, 2))
+            _sow(self, "depth_weights", jnp.pad(weights, (0, num_block_slots(self.cfg) + 1
+                                                         - weights.shape[0])))
         return h
 
 
 class AttnResidual(_DepthMix):
-    """The rule of one sub-layer ``j``: ``read`` mixes the sources, ``write`` does the bookkeeping."""
+    """The rule of one sub-layer ``j``: ``read`` mixes the sources, ``write`` does the bookkeeping.
+
+    ``j`` is a Python int for unrolled layers (all bookkeeping static) or a traced int inside a
+    scan, which must not cross a block boundary (the stack settles the state after it).
+    """
 
     def read(self, state: AttnResState, j) -> jax.Array:
-        return self.mix(state, _count(j, _block(self.cfg)))
+        if state.partial is None or isinstance(j, int):
+            return self.mix(state)
+        return self.mix(state, partial_valid=j % block_size(self.cfg) != 0)
 
     def write(self, state: AttnResState, out: jax.Array, j) -> AttnResState:
-        s = _block(self.cfg)
         blocks, partial = state
+        if partial is None:
+            return settle(self.cfg, AttnResState(blocks, out.astype(blocks[-1].dtype)), j + 1)
         out = out.astype(partial.dtype)
-        if isinstance(j, int):  # unrolled layer: static bookkeeping, blocks change only at commits
-            if j % s == 0:
-                return AttnResState(blocks.at[j // s].set(partial), out)
-            return AttnResState(blocks, partial + out)
-        commit = j % s == 0
-        slot = jax.lax.dynamic_index_in_dim(blocks, j // s, keepdims=False)
-        blocks = jax.lax.dynamic_update_index_in_dim(
-            blocks, jnp.where(commit, partial, slot), j // s, axis=0)
-        return AttnResState(blocks, jnp.where(commit, out, partial + out))
+        if isinstance(j, int):
+            return settle(self.cfg, AttnResState(blocks, partial + out), j + 1)
+        return AttnResState(blocks, jnp.where(j % block_size(self.cfg) == 0, out, partial + out))
 
     def __call__(self, state, j):  # lets linen initialise a rule that is only used via methods
         return self.read(state, j)
 
 
 class AttnResFinalRead(_DepthMix):
-    """The final aggregation before the final norm: all ``N`` blocks and the last partial sum."""
+    """The final aggregation before the final norm: all completed blocks and the last partial sum."""
 
     def __call__(self, state: AttnResState) -> jax.Array:
         if _diagnosing(self):
-            sources = jnp.concatenate([state.blocks, state.partial[None]], axis=0).astype(jnp.float32)
-            _sow(self, "block_rms", jnp.sqrt(jnp.mean(jnp.square(sources), axis=(1, 2, 3))))
-        return self.mix(state, state.blocks.shape[0])
+            sources = state.blocks + (() if state.partial is None else (state.partial,))
+            _sow(self, "block_rms", jnp.stack([jnp.sqrt(jnp.mean(jnp.square(v.astype(jnp.float32))))
+                                               for v in sources]))
+        return self.mix(state)
 
 
 def _diagnosing(module: nn.Module) -> bool:
@@ -134,9 +162,5 @@ def _sow(module: nn.Module, name: str, value: jax.Array) -> None:
                reduce_fn=lambda _, x: x, init_fn=lambda: None)
 
 
-def _count(j, s: int):
-    """Blocks committed before sub-layer ``j`` reads: ``ceil(j / S)`` (static if ``j`` is)."""
-    return (j + s - 1) // s
-
-
-__all__ = ["AttnResFinalRead", "AttnResState", "AttnResidual", "initial_state", "num_block_slots"]
+__all__ = ["AttnResFinalRead", "AttnResState", "AttnResidual", "block_size", "initial_state",
+           "join_state", "num_block_slots", "settle", "split_state"]

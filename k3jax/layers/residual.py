@@ -9,6 +9,11 @@ when the rule does:
 ``initial_state(cfg, embedding)`` starts the state and ``FinalRead`` produces the input of the final
 norm. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN ``2i + 1``); it may
 be a traced integer when the stack is scanned.
+
+Scans: ``split_state(cfg, state) -> (carry, invariant)`` separates what a scanned layer group
+changes (carried) from what it only reads (broadcast into the scan, kept once for the backward
+pass); ``join_state`` puts them back together and ``settle(cfg, state, next_j)`` finishes the
+bookkeeping a traced ``j`` could not do, before sub-layer ``next_j`` (plain: nothing to do).
 """
 
 from __future__ import annotations
@@ -64,3 +69,21 @@ def initial_state(cfg: ModelConfig, embedding: jax.Array) -> Any:
     if cfg.residual.kind == "attnres":
         return _attnres().initial_state(cfg, embedding)
     return embedding
+
+
+def split_state(cfg: ModelConfig, state: Any) -> tuple[Any, Any]:
+    if cfg.residual.kind == "attnres":
+        return _attnres().split_state(state)
+    return state, None
+
+
+def join_state(cfg: ModelConfig, carry: Any, invariant: Any) -> Any:
+    if cfg.residual.kind == "attnres":
+        return _attnres().join_state(carry, invariant)
+    return carry
+
+
+def settle(cfg: ModelConfig, state: Any, next_j: int) -> Any:
+    if cfg.residual.kind == "attnres":
+        return _attnres().settle(cfg, state, next_j)
+    return state

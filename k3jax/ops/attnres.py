@@ -9,10 +9,11 @@ For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a ke
 all in fp32, cast back to the sources' dtype once. Three forms live here, side by side:
 
 * :func:`depth_mix_reference` -- the formula on a Python list of sources, plain autodiff: the oracle;
-* :func:`depth_mix` -- the training form on a fixed-size block buffer ``[N, B, T, d]`` whose first
-  ``count`` slots are valid (``count`` may be traced), plus the running partial sum. Its custom VJP
-  keeps only the inputs and ``[N, B, T]`` statistics for the backward pass (autodiff of the formula
-  would also keep fp32 copies and normalised keys of the whole buffer at every call);
+* :func:`depth_mix` -- the training form on a tuple of completed blocks (each ``[B, T, d]``) plus
+  the running partial sum, which may be masked out by a traced flag (a scanned block start). Its
+  custom VJP keeps only the inputs -- references to the same block arrays at every read, so a
+  stack's reads together keep each block once -- and ``[n, B, T]`` statistics (autodiff of the
+  formula would also keep fp32 copies and normalised keys of every source at every read);
 * :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's pseudo-queries
   batched against the completed blocks (max and log-sum-exp kept), then merged with the in-block
   partial sum by online softmax.
@@ -62,83 +63,91 @@ def depth_mix_reference(sources: Sequence[jax.Array], w: jax.Array, g: jax.Array
     return h.astype(sources[-1].dtype)
 
 
-# -- the training form: masked block buffer + partial sum ----------------------------------------
+# -- the training form: a tuple of completed blocks + the partial sum ------------------------------
 
-def depth_mix(blocks: jax.Array, count, partial: jax.Array, w: jax.Array, g: jax.Array,
-              eps: float) -> tuple[jax.Array, jax.Array]:
-    """Aggregate ``blocks[:count]`` and ``partial``: returns ``(h [B, T, d], alpha [N + 1, B, T])``.
+def depth_mix(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Array, g: jax.Array,
+              eps: float, partial_valid=True) -> tuple[jax.Array, jax.Array]:
+    """Aggregate ``blocks`` (and ``partial``): returns ``(h [B, T, d], alpha [n, B, T])``.
 
-    ``blocks [N, B, T, d]`` is a fixed-size buffer of completed blocks, of which the first ``count``
-    (a Python or traced int, ``0 <= count <= N``) are sources; the others get weight exactly 0 and no
-    gradient. ``partial [B, T, d]`` (the running sum of the current block) is always a source and is
-    the last entry of ``alpha`` (fp32, for diagnostics). ``h`` has ``partial``'s dtype.
+    ``blocks`` is a tuple of ``[B, T, d]`` arrays, the completed blocks (embedding first), each a
+    source; ``partial [B, T, d]`` (the running sum of the current block) is one more source unless it
+    is ``None`` or ``partial_valid`` is false (a Python or traced bool: a scanned sub-layer at a block
+    start masks the partial sum, which then gets weight exactly 0 and no gradient). ``alpha`` holds
+    the weights in source order (fp32, for diagnostics); ``h`` has the sources' dtype.
+
+    The custom VJP keeps only the inputs themselves (references to the same block arrays for every
+    read) and ``[n, B, T]`` statistics: no fp32 copies, no stacked ``[n, B, T, d]`` buffer.
     """
+    blocks = tuple(blocks)
     _check_mix_args(blocks, partial, w, g)
-    h, alpha = _depth_mix(float(eps), blocks, jnp.asarray(count, jnp.int32), partial, w, g)
-    return h, alpha
+    sources = blocks + (() if partial is None else (partial,))
+    valid = jnp.asarray(True if partial is None else partial_valid, jnp.bool_)
+    return _depth_mix(float(eps), sources, valid, w, g)
 
 
 def _check_mix_args(blocks, partial, w, g) -> None:
-    if blocks.ndim != 4 or partial.shape != blocks.shape[1:]:
-        raise ValueError(f"depth_mix: expected blocks [N, B, T, d] and partial [B, T, d]; got "
-                         f"blocks {blocks.shape}, partial {partial.shape}")
-    d = partial.shape[-1]
+    arrays = blocks + (() if partial is None else (partial,))
+    if not arrays:
+        raise ValueError("depth_mix: expected at least one source (blocks or partial); got none")
+    ref = arrays[-1]
+    if ref.ndim != 3 or any(a.shape != ref.shape or a.dtype != ref.dtype for a in arrays):
+        raise ValueError(f"depth_mix: expected blocks and partial of one shape [B, T, d] and dtype; "
+                         f"got blocks {[(a.shape, str(a.dtype)) for a in blocks]}, partial "
+                         f"{None if partial is None else (partial.shape, str(partial.dtype))}")
+    d = ref.shape[-1]
     if w.shape != (d,) or g.shape != (d,):
         raise ValueError(f"depth_mix: query w and key-norm weight g must have shape ({d},); got "
                          f"w {w.shape}, g {g.shape}")
 
 
-def _mix_forward(eps, blocks, count, partial, w, g):
+def _mix_forward(eps, sources, valid, w, g):
+    """``valid`` masks the LAST source (the partial sum) only; every other source is always valid."""
     u = _query(w, g)
-    vb, vp = blocks.astype(_F32), partial.astype(_F32)
-    sb, rb = _score(vb, u, eps)                                            # [N, B, T]
-    sp, rp = _score(vp, u, eps)                                            # [B, T]
-    valid = (jnp.arange(blocks.shape[0]) < count)[:, None, None]
-    sb_masked = jnp.where(valid, sb, -jnp.inf)
-    m = jnp.maximum(jnp.max(sb_masked, axis=0, initial=-jnp.inf), sp)
-    eb, ep = jnp.exp(sb_masked - m), jnp.exp(sp - m)                       # masked: exactly 0
-    z = jnp.sum(eb, axis=0) + ep
-    ab, ap = eb / z, ep / z
-    h = jnp.einsum("nbt,nbtd->btd", ab, vb, precision=_PREC) + ap[..., None] * vp
-    alpha = jnp.concatenate([ab, ap[None]], axis=0)
-    return h.astype(partial.dtype), alpha, (sb, rb, sp, rp, valid)
+    stats = [_score(v.astype(_F32), u, eps) for v in sources]              # n x ([B, T], [B, T])
+    s = jnp.stack([st[0] for st in stats])                                 # [n, B, T]
+    r = jnp.stack([st[1] for st in stats])
+    mask = jnp.arange(len(sources)) < len(sources) - 1
+    mask = (mask | valid)[:, None, None]
+    e = jnp.exp(jnp.where(mask, s, -jnp.inf) - jnp.max(jnp.where(mask, s, -jnp.inf), axis=0))
+    alpha = e / jnp.sum(e, axis=0)                                         # masked: exactly 0
+    h = sum(alpha[i][..., None] * v.astype(_F32) for i, v in enumerate(sources))
+    return h.astype(sources[-1].dtype), alpha, (s, r, mask)
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _depth_mix(eps, blocks, count, partial, w, g):
-    h, alpha, _ = _mix_forward(eps, blocks, count, partial, w, g)
+def _depth_mix(eps, sources, valid, w, g):
+    h, alpha, _ = _mix_forward(eps, sources, valid, w, g)
     return h, alpha
 
 
-def _depth_mix_fwd(eps, blocks, count, partial, w, g):
-    h, alpha, (sb, rb, sp, rp, valid) = _mix_forward(eps, blocks, count, partial, w, g)
-    # Residuals: the inputs themselves (no fp32 copy of the buffer) and [N, B, T] statistics.
-    return (h, alpha), (blocks, count, partial, w, g, alpha, sb, rb, sp, rp, valid)
+def _depth_mix_fwd(eps, sources, valid, w, g):
+    h, alpha, (s, r, mask) = _mix_forward(eps, sources, valid, w, g)
+    # Residuals: the inputs themselves (the same arrays every read of a block refers to) and
+    # [n, B, T] statistics.
+    return (h, alpha), (sources, valid, w, g, alpha, s, r, mask)
 
 
 def _depth_mix_bwd(eps, res, cts):
-    blocks, count, partial, w, g, alpha, sb, rb, sp, rp, valid = res
+    sources, valid, w, g, alpha, s, r, mask = res
     dh, dalpha_out = cts
-    d = partial.shape[-1]
+    d = sources[-1].shape[-1]
     u = _query(w, g)
-    vb, vp = blocks.astype(_F32), partial.astype(_F32)
     dh = dh.astype(_F32)
-    ab, ap = alpha[:-1], alpha[-1]
     # d(alpha_i) = <dh, v_i> (+ any cotangent on the returned weights); softmax backward -> d(score).
-    gb = jnp.einsum("btd,nbtd->nbt", dh, vb, precision=_PREC) + dalpha_out[:-1].astype(_F32)
-    gp = jnp.einsum("btd,btd->bt", dh, vp, precision=_PREC) + dalpha_out[-1].astype(_F32)
-    mean_g = jnp.sum(ab * gb, axis=0) + ap * gp
-    dsb = jnp.where(valid, ab * (gb - mean_g), 0.0)
-    dsp = ap * (gp - mean_g)
+    ga = jnp.stack([jnp.einsum("btd,btd->bt", dh, v.astype(_F32), precision=_PREC)
+                    for v in sources]) + dalpha_out.astype(_F32)          # [n, B, T]
+    ds = jnp.where(mask, alpha * (ga - jnp.sum(alpha * ga, axis=0)), 0.0)
+    s = jnp.where(mask, s, 0.0)
     # score_i = r_i <v_i, u>:  d score_i / d v_i = r_i u - score_i r_i^2 v_i / d;  d/du = r_i v_i.
-    sb = jnp.where(valid, sb, 0.0)
-    dvb = (ab[..., None] * dh[None] + (dsb * rb)[..., None] * u
-           - (dsb * sb * rb * rb / d)[..., None] * vb)
-    dvp = ap[..., None] * dh + (dsp * rp)[..., None] * u - (dsp * sp * rp * rp / d)[..., None] * vp
-    du = (jnp.einsum("nbt,nbtd->d", dsb * rb, vb, precision=_PREC)
-          + jnp.einsum("bt,btd->d", dsp * rp, vp, precision=_PREC))
-    return (dvb.astype(blocks.dtype), None, dvp.astype(partial.dtype),
-            (du * g.astype(_F32)).astype(w.dtype), (du * w.astype(_F32)).astype(g.dtype))
+    dsources, du = [], jnp.zeros((d,), _F32)
+    for i, v in enumerate(sources):
+        v32 = v.astype(_F32)
+        dv = (alpha[i][..., None] * dh + (ds[i] * r[i])[..., None] * u
+              - (ds[i] * s[i] * r[i] * r[i] / d)[..., None] * v32)
+        dsources.append(dv.astype(v.dtype))
+        du = du + jnp.einsum("bt,btd->d", ds[i] * r[i], v32, precision=_PREC)
+    return (tuple(dsources), None, (du * g.astype(_F32)).astype(w.dtype),
+            (du * w.astype(_F32)).astype(g.dtype))
 
 
 _depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
