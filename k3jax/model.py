@@ -7,6 +7,11 @@ Everything else leaves through explicit linen collections, never hidden state:
 * ``balance``: the MoE router biases (non-trainable, updated by the training step);
 * ``balance_stats`` / ``losses`` / ``diagnostics``: outputs of a training forward, returned when the
   caller makes them mutable.
+
+The layer stack follows ``k3jax.stack.plan_segments``: one segment (unrolled prefix, one scanned
+group ``scanned_layers``, unrolled suffix) for the plain residual; with Block AttnRes one segment per
+block (scanned groups ``block_{b}_scan``), so the growing tuple of completed blocks is never a scan
+carry (see ``k3jax/layers/attnres.py`` for why that keeps the memory linear in depth).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Attention Residuals (SPEC 5): the op, the rule's bookkeeping, the two-phase form, the model wiring.
+"""Attention Residuals (SPEC 5): the op, the rule's bookkeeping, the two-phase form, the model wiring,
+and the memory it adds.
 
 Model-level tests use MLA-only dense stacks: the residual rule does not depend on the mixer, and the
-KDA path would dominate CPU compile time. ``num_layers=3`` with every layer MLA scans one layer per
-iteration (3 repeats), and block size 3 sub-layers puts commits on both mixer (j = 0, 6) and FFN
-(j = 3) sub-layers inside the scanned body, so the traced bookkeeping path is exercised.
+KDA path would dominate CPU compile time. ``num_layers=5`` with block size 4 sub-layers runs block
+by block: blocks [0, 2) and [2, 4) are scans of two layers (traced ``j``: the first iteration masks
+the partial sum, the block is committed after the scan), block [4, 5) is one unrolled layer that
+ends the stack mid-block (the final read has a partial sum). The toy-stack tests cover odd block
+sizes (Full AttnRes, and commits on FFN sub-layers) and scans that start mid-block.
 """
 
 import math
