@@ -1,0 +1,133 @@
+"""Compile time of a preset's forward, gradient and full train step (one per optimiser).
+
+JSON lines, one per measured function::
+
+    {"part": "forward" | "grad" | "step", "optimizer": null | "adamw" | "muon", "preset": ...,
+     "batch": B, "seq": T, "backend": ..., "trace_s": ..., "lower_s": ..., "compile_s": ...,
+     "total_s": ...}
+
+Nothing is allocated or run: every function is traced from ``jax.ShapeDtypeStruct`` inputs, then
+lowered and compiled (``jit(f).trace(...).lower().compile()``), each stage timed with the host
+clock. The persistent compilation cache is switched off so every number is a cold compile.
+``step`` is exactly what ``train.py`` jits (``make_train_step`` with ``build_optimizer``), without
+the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py               # k3_small, B=2, T=256
+    PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048           # the GPU shape
+    PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+jax.config.update("jax_enable_compilation_cache", False)
+
+from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
+from k3jax.train.optim import build_optimizer, schedule  # noqa: E402
+from k3jax.train.step import (BATCH_KEYS, MUTABLE, _variables, init_state,  # noqa: E402
+                              make_train_step, token_nats)
+
+
+def timed_compile(fn, *args) -> dict:
+    """Seconds spent tracing, lowering and compiling ``jax.jit(fn)`` for ``args`` (abstract)."""
+    t0 = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    return {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
+            "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2)}
+
+
+def batch_struct(b: int, t: int) -> dict:
+    """Abstract ``[B, T]`` batch as the train step receives it."""
+    dt = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
+          "weights": jnp.float32}
+    return {k: jax.ShapeDtypeStruct((b, t), dt[k]) for k in BATCH_KEYS}
+
+
+def loss_fn(model):
+    """``(params, balance, batch) -> mean nats`` (the train step's loss, one micro-batch)."""
+
+    def loss(params, balance, batch):
+        logits, _ = model.apply(_variables(params, balance), batch["tokens"],
+                                segment_ids=batch["segment_ids"], deterministic=False,
+                                mutable=MUTABLE, rngs={"dropout": jax.random.key(0)})
+        nats = token_nats(logits, batch["targets"]) * batch["weights"]
+        return jnp.sum(nats) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+    return loss
+
+
+def measure(part: str, cfg, batch: dict, optimizer_name: str | None) -> dict:
+    model = K3Model(cfg.model)
+    b, t = batch["tokens"].shape
+    variables = abstract_variables(cfg.model, (b, t))
+    params, balance = variables["params"], variables.get("balance", {})
+    loss = loss_fn(model)
+    if part == "forward":
+        return timed_compile(loss, params, balance, batch)
+    if part == "grad":
+        return timed_compile(jax.grad(loss), params, balance, batch)
+    optim = dataclasses.replace(cfg.optim, name=optimizer_name)
+    axes = logical_axes(cfg.model, (b, t))["params"]
+    optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
+    state = jax.eval_shape(lambda p, bal: init_state(p, bal, optimizer, cfg.train.seed),
+                           params, balance)
+    step = make_train_step(model, optimizer, schedule(optim, cfg.train.steps),
+                           cfg.train.micro_batches, cfg.model.moe)
+    return timed_compile(step, state, batch)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="k3_small", help="module in configs/ (get_config())")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="override train.micro_batches (default: the preset's)")
+    ap.add_argument("--parts", default="forward,grad,step")
+    ap.add_argument("--optimizers", default="adamw,muon")
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    for p in parts:
+        if p not in ("forward", "grad", "step"):
+            ap.error(f"--parts: unknown part {p!r}; expected forward, grad, step")
+    opts = args.optimizers.split(",")
+    for o in opts:
+        if o not in ("adamw", "muon"):
+            ap.error(f"--optimizers: unknown optimiser {o!r}; expected adamw, muon")
+
+    cfg = importlib.import_module(f"configs.{args.preset}").get_config()
+    if args.micro_batches is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, micro_batches=args.micro_batches))
+    batch = batch_struct(args.batch, args.seq)
+    jobs = [(p, None) for p in parts if p != "step"]
+    jobs += [("step", o) for o in opts] if "step" in parts else []
+    for part, opt in jobs:
+        row = {"part": part, "optimizer": opt, "preset": args.preset, "batch": args.batch,
+               "seq": args.seq, "micro_batches": cfg.train.micro_batches,
+               "backend": jax.default_backend()}
+        try:
+            row.update(measure(part, cfg, batch, opt))
+        except Exception as e:  # noqa: BLE001 - report and go on with the other parts
+            traceback.print_exc(file=sys.stderr)
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
