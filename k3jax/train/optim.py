@@ -244,8 +244,11 @@ def build_optimizer(cfg, total_steps: int, params, axes=None) -> optax.GradientT
         def dims_of(masked):  # the muon branch sees only its own parameters (others masked)
             return jax.tree_util.tree_map_with_path(lambda p, _: paths[path_name(p)], masked)
 
+        # A rolled NS loop: k3_small's CPU step compiled ~5 s faster (55.5 -> 50.6 s); its
+        # run-time cost is a few loop iterations per step.
         matrices = grouped_muon(lr, beta=cfg.b1, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                dims_fn=dims_of, consistent_rms=cfg.muon_consistent_rms)
+                                dims_fn=dims_of, consistent_rms=cfg.muon_consistent_rms,
+                                unroll=False)
         core = optax.partition({"muon": matrices, "adam": adamw}, labels)
     if cfg.clip_norm is None:
         return core
