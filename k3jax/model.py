@@ -84,7 +84,6 @@ class K3Model(nn.Module):
         return jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
                           preferred_element_type=jnp.float32)
 
-
     def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool):
         """Layers ``[plan.start, plan.end)``: unrolled prefix, scanned groups, unrolled suffix."""
         cfg = self.cfg
