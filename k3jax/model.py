@@ -23,10 +23,12 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers.decoder import DecoderLayer
 from k3jax.layers.norms import RMSNorm
-from k3jax.layers.param import normal
+from k3jax.layers.param import constrain, normal
 from k3jax.layers.residual import initial_state, join_state, make_final_read, settle, split_state
 from k3jax.stack import StackPlan, plan_segments
 
+# The residual stream is split by batch only: the d axis stays whole (its "embed" rule is for weights).
+ACTIVATION_AXES = ("batch", "length", None)
 # Collections that hold one entry per scanned layer group (stacked on axis 0).
 SCANNED_COLLECTIONS = ("params", "balance", "balance_stats", "losses", "diagnostics")
 
@@ -72,17 +74,20 @@ class K3Model(nn.Module):
         _check_tokens(tokens, segment_ids)
         table = self.param("embedding", normal(cfg.init_std, ("vocab", "embed")),
                            (cfg.vocab_size, cfg.d_model), pdt)
-        state = initial_state(cfg, jnp.take(table, tokens, axis=0).astype(cdt))
+        x = constrain(jnp.take(table, tokens, axis=0).astype(cdt), ACTIVATION_AXES)
+        state = initial_state(cfg, x)
 
         for plan in plan_segments(cfg):  # the whole stack, or one AttnRes block after another
             state = self._segment(plan, state, segment_ids, deterministic)
 
         h = make_final_read(cfg)(state)
         h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
+        h = constrain(h, ACTIVATION_AXES)
         head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
                           (cfg.d_model, cfg.vocab_size), pdt)
-        return jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
-                          preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool):
         """Layers ``[plan.start, plan.end)``: unrolled prefix, scanned groups, unrolled suffix."""

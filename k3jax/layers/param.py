@@ -1,4 +1,4 @@
-"""Parameter initialisers that carry logical axis names.
+"""Logical axis names: parameter initialisers that carry them, and activation constraints by them.
 
 Every parameter is created through :func:`param_init`, so a sharding rules table (MaxText style)
 can map logical names like ``"embed"`` or ``"exp"`` onto mesh axes without touching the layers.
@@ -36,8 +36,19 @@ def zeros(axes: Sequence[str | None]) -> Callable:
     return param_init(nn.initializers.zeros, axes)
 
 
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical names, e.g. ``("batch", "length", None)``.
+
+    Uses the mesh and rules made current by :func:`k3jax.parallel.mesh.use_mesh`; a no-op outside
+    it, so layers may call it unconditionally.
+    """
+    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return nn.with_logical_constraint(x, names)
+
+
 def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-__all__ = ["param_init", "normal", "ones", "zeros", "dtype_of", "jax"]
+__all__ = ["constrain", "param_init", "normal", "ones", "zeros", "dtype_of"]

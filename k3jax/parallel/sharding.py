@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config.mesh import rule_axes
+from k3jax.layers.param import constrain  # noqa: F401  (re-exported)
 from k3jax.model import init_variables, logical_axes
 
 
@@ -92,17 +93,6 @@ def batch_shards(mesh: Mesh, rules) -> int:
     for a in batch_axes(rules):
         n *= mesh.shape[a]
     return n
-
-
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint on an activation by logical names, e.g. ``("batch", "length", None)``.
-
-    Uses the mesh and rules made current by :func:`k3jax.parallel.mesh.use_mesh`; a no-op outside
-    it, so layers may call it unconditionally.
-    """
-    if not nn.get_logical_axis_rules() or jax.sharding.get_abstract_mesh().empty:
-        return x
-    return nn.with_logical_constraint(x, names)
 
 
 def shardings_of(tree):
