@@ -34,8 +34,11 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     config = json.loads(cfg_file.read_text())
     cfg: ExperimentConfig = from_dict(ExperimentConfig, config)
     micro = cfg.data.batch_size // cfg.train.micro_batches
-    abstract = jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer,
-                                             init_state))
+    # Evaluation runs on one device: restore every array there (no topology guess from the files).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+        jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer, init_state)))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
     restored = ckpt.restore_latest(abstract, config, move_aside=False)
     ckpt.close()

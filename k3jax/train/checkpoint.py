@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from k3jax.config.base import ConfigError
@@ -100,6 +99,8 @@ class Checkpointer:
             self.log(f"[checkpoint] cannot restore {path} ({type(error).__name__}: {first}); "
                      "trying the next older checkpoint")
             return
+        if jax.process_index() != 0:  # one process moves it; the others only skip it
+            return
         aside = self.directory.parent / "checkpoints_unrestorable" / path.name
         aside.parent.mkdir(exist_ok=True)
         if aside.exists():
@@ -163,5 +164,7 @@ def _diff(a, b, key: str) -> list[str]:
     return [] if norm(a) == norm(b) else [f"{key}: checkpoint {a!r} vs config {b!r}"]
 
 
-def to_host(state: dict) -> dict:
-    return jax.tree.map(np.asarray, state)
+def abstract_like(state: dict) -> dict:
+    """Shapes, dtypes and shardings of a (possibly multi-process, sharded) state, for restoring."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from k3jax.data import make_data
-from k3jax.train.checkpoint import Checkpointer, to_host
+from k3jax.train.checkpoint import Checkpointer, abstract_like
 from k3jax.train.evaluation import evaluate_batches, summary_line, task_batches
 from k3jax.train.metrics import MetricsWriter, flatten
 from k3jax.train.optim import build_optimizer, schedule
@@ -81,12 +81,13 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
                         log=log)
-    restored = ckpt.restore_latest(jax.eval_shape(lambda: state), config)
+    # Restoring into the live state's shardings lets every process read only its own shards.
+    restored = ckpt.restore_latest(abstract_like(state), config)
     if restored is not None:
         state = restored[0]
         log(f"[checkpoint] resumed from {ckpt.step_path(int(state['step']))}")
     start = int(state["step"])
-    writer = MetricsWriter(workdir, start)
+    writer = MetricsWriter(workdir, start, enabled=jax.process_index() == 0)
 
     model = K3Model(cfg.model)
     on_cpu = jax.default_backend() == "cpu"
@@ -143,7 +144,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
                 _log_train(writer, bar, prog, done, metrics, float(host_batch["nbytes"]), mfu)
             bar.update(1)
             if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
-                ckpt.save(done, to_host(state), _meta(config, done, cfg))
+                ckpt.save(done, state, _meta(config, done, cfg))
             if done == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if done % cfg.eval.every == 0 or done == cfg.train.steps:

@@ -43,14 +43,18 @@ def read_metrics(workdir: str | Path) -> list[dict]:
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str | Path, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, workdir: str | Path, resume_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True):
+        """``enabled=False`` (every process but the first of a multi-process run) writes nothing."""
         self.path = Path(workdir) / METRICS_FILE
+        self._file, self._tb = None, None
+        if not enabled:
+            return
         kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
         if resume_step == 0:
             kept = []
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
-        self._tb = None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -62,6 +66,8 @@ class MetricsWriter:
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> dict:
         record = {"step": int(step), "kind": kind, **{k: _clean(v) for k, v in values.items()}}
+        if self._file is None:
+            return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -84,7 +90,8 @@ class MetricsWriter:
                 self._tb.add_histogram(tag, arr, step)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 
