@@ -19,3 +19,28 @@ def small_config(**changes) -> ModelConfig:
         dtype="float32",
     )
     return dataclasses.replace(base, **changes)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (for a jax.distributed coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def wait_all(procs, timeout_s: float, while_waiting=None) -> list[str]:
+    """Outputs of subprocesses (stdout+stderr piped), asserting each exited 0; every process still
+    running is killed if anything fails. ``while_waiting()`` runs first, e.g. a reference run."""
+    try:
+        if while_waiting is not None:
+            while_waiting()
+        outs = [p.communicate(timeout=timeout_s)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+    return outs

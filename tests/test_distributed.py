@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import ConfigError
+from helpers import free_port, wait_all
 from k3jax.parallel.distributed import distributed_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,31 +43,19 @@ def test_distributed_args_precedence():
         distributed_args(env={**env, "JAX_NUM_PROCESSES": "two"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_train_to_single_device_losses(tmp_path):
     from test_parallel import LOSS_RTOL, train_losses
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     procs = [subprocess.Popen([sys.executable, __file__, str(pid), str(port), str(tmp_path)],
                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for pid in range(PROCESSES)]
-    try:
-        reference, _ = train_losses("ragged")                          # meanwhile, on one device
-        outputs = [p.communicate(timeout=WORKER_TIMEOUT_S)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for pid, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"worker {pid} failed:\n{out[-3000:]}"
+    reference = []
+    wait_all(procs, WORKER_TIMEOUT_S,  # meanwhile, the same steps on one device
+             while_waiting=lambda: reference.extend(train_losses("ragged")[0]))
     for pid in range(PROCESSES):
         result = json.loads((tmp_path / f"worker{pid}.json").read_text())
         assert result["devices"] == PROCESSES * DEVICES_PER_PROCESS

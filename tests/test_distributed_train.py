@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from helpers import free_port, wait_all
 from test_train import PRESET
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +24,6 @@ LOSS_RTOL = 1e-5  # fp32, same math; only the order of the data-parallel reducti
 TIMEOUT_S = 300
 COMMON = ["--set", "data.task=mqar", "--set", "train.log_every=1", "--set", "eval.every=1000",
           "--set", "eval.tasks=", "--set", "checkpoint.every=2", "--set", "train.micro_batches=1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int, **extra) -> dict:
@@ -46,19 +40,11 @@ def _train(preset: Path, workdir: Path, steps: int, mesh_data: int, env: dict):
 
 
 def _two_processes(preset, workdir, steps):
-    port = _free_port()
+    port = free_port()
     procs = [_train(preset, workdir, steps, 4, _env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
              for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
-    return outs
+    return wait_all(procs, TIMEOUT_S)
 
 
 def _losses(workdir: Path) -> dict[int, float]:
@@ -71,9 +57,8 @@ def test_two_process_training_matches_one_process_and_resumes(tmp_path):
     preset.write_text(PRESET.format(source=str(tmp_path)))  # the corpus source is unused (mqar)
 
     single = _train(preset, tmp_path / "one", 4, 1, _env(1))
-    outs = _two_processes(preset, tmp_path / "two", 4)
-    out_single = single.communicate(timeout=TIMEOUT_S)[0].decode()
-    assert single.returncode == 0, out_single[-3000:]
+    _two_processes(preset, tmp_path / "two", 4)
+    wait_all([single], TIMEOUT_S)
 
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]
