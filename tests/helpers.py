@@ -44,3 +44,34 @@ def wait_all(procs, timeout_s: float, while_waiting=None) -> list[str]:
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
     return outs
+
+
+def bf16_rounded(x):
+    """``x`` rounded to bf16 and back: inputs both a bf16 kernel and an fp32 reference see exactly."""
+    import jax.numpy as jnp
+
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str):
+    """Random KDA inputs on the bf16 grid: ``((q, k, v, g, beta, h0), d_out, d_final_state)``.
+
+    q, k are L2-normalised; ``gate`` is ``"lower_bound"`` (K3, -5) or ``"softplus"`` (strong enough
+    that decays pass 88 nats within a chunk).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = bf16_rounded(unit(jax.random.normal(ks[0], (b, t, h, dk))))
+    k = bf16_rounded(unit(jax.random.normal(ks[1], (b, t, h, dk))))
+    v = bf16_rounded(jax.random.normal(ks[2], (b, t, h, dv)))
+    f = jax.random.normal(ks[3], (b, t, h, dk))
+    g = (-5.0 * jax.nn.sigmoid(f) if gate == "lower_bound"
+         else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+    h0 = jax.random.normal(ks[5], (b, h, dk, dv))
+    do = jax.random.normal(ks[6], (b, t, h, dv))
+    dfin = jax.random.normal(ks[7], (b, h, dk, dv))
+    return (q, k, v, bf16_rounded(g), bf16_rounded(beta), h0), do, dfin

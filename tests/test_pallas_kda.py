@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import bf16_rounded, kda_bf16_case
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
@@ -18,26 +19,6 @@ from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import state_fwd
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
-
-
-def _bf(x):
-    return x.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _inputs(seed, b, t, h, dk, dv, gate):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q = _bf(unit(jax.random.normal(ks[0], (b, t, h, dk))))
-    k = _bf(unit(jax.random.normal(ks[1], (b, t, h, dk))))
-    v = _bf(jax.random.normal(ks[2], (b, t, h, dv)))
-    f = jax.random.normal(ks[3], (b, t, h, dk))
-    # lower-bound form (K3, -5) or a strong softplus form (decays past 88 nats within a chunk)
-    g = -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
-    h0 = jax.random.normal(ks[5], (b, h, dk, dv))
-    do = jax.random.normal(ks[6], (b, t, h, dv))
-    dfin = jax.random.normal(ks[7], (b, h, dk, dv))
-    return (q, k, v, _bf(g), _bf(beta), h0), do, dfin
 
 
 def _loss(fn, do, dfin):
@@ -73,7 +54,7 @@ def _bf16(x):
 def test_prep_matches_reference_fp32_softplus_segments():
     """The token-parallel part plus the plain-JAX state pass equals the recurrence (fp32), for a
     softplus gate whose 16-token decays exceed fp32's exp range, with packed segments."""
-    args, _, _ = _inputs(0, 1, 150, 2, 64, 64, "softplus")
+    args, _, _ = kda_bf16_case(0, 1, 150, 2, 64, 64, "softplus")
     q, k, v, g, beta, h0 = args
     assert float(jnp.min(jnp.sum(g[:, :16], axis=1))) < -88.0  # the overflow regime is exercised
     seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(9), 0.03, (1, 150)), axis=1)
@@ -87,9 +68,10 @@ def test_prep_matches_reference_fp32_softplus_segments():
 def test_state_kernels_match_plain_jax():
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part)."""
-    args, _, _ = _inputs(1, 1, 128, 1, 64, 64, "lower_bound")
+    args, _, _ = kda_bf16_case(1, 1, 128, 1, 64, 64, "lower_bound")
     p = prepare(*args[:5], scale=0.125, chunk_size=64)
-    p = p._replace(qg=_bf(p.qg), kg=_bf(p.kg), w=_bf(p.w), aqk=_bf(p.aqk))
+    p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
+                   aqk=bf16_rounded(p.aqk))
     h0 = args[5]
     (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, h0)
     do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
@@ -109,14 +91,14 @@ def test_state_kernels_match_plain_jax():
 @pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)])
 def test_kda_pallas_values_and_gradients(gate, segments):
     """End to end (padding T=90 to 128, initial and final state): values and all six gradients."""
-    args, do, dfin = _inputs(2, 1, 90, 1, 64, 64, gate)
+    args, do, dfin = kda_bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
     _check_all(args, seg, do, dfin)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():
     """K = V = 128: two value tiles per head (the backward sums their partial products)."""
-    args, do, dfin = _inputs(5, 1, 64, 1, 128, 128, "lower_bound")
+    args, do, dfin = kda_bf16_case(5, 1, 64, 1, 128, 128, "lower_bound")
     ref = kda_reference(*args[:5], scale=128**-0.5, initial_state=args[5])
     o, f = kda_pallas(*(_bf16(x) for x in args[:3]), *args[3:5], scale=128**-0.5, initial_state=args[5],
                       output_final_state=True, interpret=True)

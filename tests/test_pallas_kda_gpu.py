@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import kda_bf16_case
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
@@ -26,29 +27,10 @@ pytestmark = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (H100/H200
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
-def _bf(x):
-    return x.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _inputs(seed, b, t, h, d, gate):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q = _bf(unit(jax.random.normal(ks[0], (b, t, h, d))))
-    k = _bf(unit(jax.random.normal(ks[1], (b, t, h, d))))
-    v = _bf(jax.random.normal(ks[2], (b, t, h, d)))
-    f = jax.random.normal(ks[3], (b, t, h, d))
-    g = -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
-    beta = _bf(jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))))
-    h0 = jax.random.normal(ks[5], (b, h, d, d))
-    do = jax.random.normal(ks[6], (b, t, h, d))
-    dfin = jax.random.normal(ks[7], (b, h, d, d))
-    return (q, k, v, _bf(g), beta, h0), do, dfin
-
-
 @pytest.mark.parametrize("d,t,gate,segments", [(128, 1000, "lower_bound", False), (64, 777, "softplus", True),
                                                (128, 2048, "softplus", True)])
 def test_values_and_gradients_on_gpu(d, t, gate, segments):
-    args, do, dfin = _inputs(d + t, 2, t, 4, d, gate)
+    args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
     seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1) if segments
            else None)
     scale = d**-0.5
@@ -80,7 +62,7 @@ def test_values_and_gradients_on_gpu(d, t, gate, segments):
 
 def test_repeatable_on_gpu():
     """Two runs on the same inputs agree bit for bit (a race would move the result)."""
-    args, _, _ = _inputs(3, 1, 4096, 8, 128, "lower_bound")
+    args, _, _ = kda_bf16_case(3, 1, 4096, 8, 128, 128, "lower_bound")
     fn = jax.jit(lambda q, k, v, g, beta: kda_pallas(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                                                      v.astype(jnp.bfloat16), g, beta, scale=128**-0.5)[0])
     a, b = fn(*args[:5]), fn(*args[:5])
