@@ -15,6 +15,7 @@ the mesh wrapper. A part that fails prints an ``error`` line and the rest contin
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py               # k3_small, B=2, T=256
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048           # the GPU shape
     PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon
+    PYTHONPATH=. python benchmarks/compile_time.py --parts grad --set model.kda.impl=chunked
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 jax.config.update("jax_enable_compilation_cache", False)
 
+from k3jax.config.experiment import apply_overrides  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
 from k3jax.train.optim import build_optimizer, schedule  # noqa: E402
 from k3jax.train.step import (BATCH_KEYS, MUTABLE, _variables, init_state,  # noqa: E402
@@ -98,6 +100,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="override train.micro_batches (default: the preset's)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="dotted config override as in train.py (repeatable)")
     ap.add_argument("--parts", default="forward,grad,step")
     ap.add_argument("--optimizers", default="adamw,muon")
     args = ap.parse_args(argv)
@@ -111,6 +115,7 @@ def main(argv=None) -> None:
             ap.error(f"--optimizers: unknown optimiser {o!r}; expected adamw, muon")
 
     cfg = importlib.import_module(f"configs.{args.preset}").get_config()
+    cfg = apply_overrides(cfg, args.overrides)
     if args.micro_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batches=args.micro_batches))
@@ -120,6 +125,7 @@ def main(argv=None) -> None:
     for part, opt in jobs:
         row = {"part": part, "optimizer": opt, "preset": args.preset, "batch": args.batch,
                "seq": args.seq, "micro_batches": cfg.train.micro_batches,
+               "overrides": args.overrides,
                "backend": jax.default_backend()}
         try:
             row.update(measure(part, cfg, batch, opt))
