@@ -4,7 +4,7 @@ JSON lines, one per measured function::
 
     {"part": "forward" | "grad" | "step", "optimizer": null | "adamw" | "muon", "preset": ...,
      "batch": B, "seq": T, "backend": ..., "trace_s": ..., "lower_s": ..., "compile_s": ...,
-     "total_s": ...}
+     "total_s": ..., "temp_GiB": ...}
 
 Nothing is allocated or run: every function is traced from ``jax.ShapeDtypeStruct`` inputs, then
 lowered and compiled (``jit(f).trace(...).lower().compile()``), each stage timed with the host
@@ -47,10 +47,12 @@ def timed_compile(fn, *args) -> dict:
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    temp = None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2)
     return {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
-            "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2)}
+            "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2), "temp_GiB": temp}
 
 
 def batch_struct(b: int, t: int) -> dict:

@@ -31,27 +31,33 @@ CHUNK_SIZES = (64,)
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
+# A model calls the kernels once per KDA layer: under jit every call site with the same shapes
+# shares one lowered Mosaic module, instead of each layer lowering and compiling its own copy.
+_state_fwd_jit = jax.jit(state_fwd, static_argnames=("chunk_size", "interpret"))
+_state_bwd_jit = jax.jit(state_bwd, static_argnames=("chunk_size", "interpret"))
+
+
 def _bf16(x):
     return x.astype(jnp.bfloat16)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    o, final, _, _ = state_fwd(_bf16(qg), _bf16(kg), _bf16(w), u, _bf16(aqk), gamma, h0,
+    o, final, _, _ = _state_fwd_jit(_bf16(qg), _bf16(kg), _bf16(w), u, _bf16(aqk), gamma, h0,
                                chunk_size=chunk_size, interpret=interpret)
     return o, final
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
     qg, kg, w, aqk = _bf16(qg), _bf16(kg), _bf16(w), _bf16(aqk)
-    o, final, states, vt = state_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
+    o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
     return (o, final), (qg, kg, w, aqk, gamma, states, vt)
 
 
 def _state_pass_bwd(chunk_size, interpret, res, cts):
     qg, kg, w, aqk, gamma, states, vt = res
     do, dfinal = cts
-    dqg, dkg, dw, daqk, dgam, du, dh0 = state_bwd(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
+    dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
     return dqg.sum(0), dkg.sum(0), dw.sum(0), du, daqk.sum(0), dgam.sum(0), dh0

@@ -60,6 +60,9 @@ def _kernels():
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
+# jit: every MoE layer calls the kernels with the same shapes, and a jitted call is lowered once
+# and shared by all call sites (the Mosaic lowering otherwise repeats per layer and per direction).
+@functools.partial(jax.jit, static_argnames=("transpose_rhs",))
 def _fwd_kernel(x, w, group_sizes, transpose_rhs=False):
     ragged, _ = _kernels()
     return ragged(x, w, group_sizes=group_sizes, block_m=_BLOCK_M, block_n=_BLOCK_N,
@@ -76,14 +79,19 @@ def _mosaic_fwd(x, w, group_sizes):
     return _mosaic_gmm(x, w, group_sizes), (x, w, group_sizes)
 
 
+@jax.jit
+def _weight_grad_kernel(x, g, group_sizes):
+    _, transposed = _kernels()
+    return transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M, block_n=_T_BLOCK_N,
+                      block_k=_T_BLOCK_K, max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
+
+
 def _mosaic_bwd(res, g):
     x, w, group_sizes = res
-    _, transposed = _kernels()
     g = g.astype(x.dtype)
     # dx = g @ w[g]^T (rows in group order); dw[g] = x_g^T g_g (the ragged axis is contracted).
     dx = _fwd_kernel(g, w, group_sizes, transpose_rhs=True)
-    dw = transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M, block_n=_T_BLOCK_N,
-                    block_k=_T_BLOCK_K, max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
+    dw = _weight_grad_kernel(x, g, group_sizes)
     # Padding rows past the groups carry no gradient (their forward output is masked by callers).
     rows = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     dx = jnp.where(rows[:, None], dx, 0)
