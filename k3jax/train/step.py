@@ -66,7 +66,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
         return loss, {"sum_nats": sum_nats, "aux": aux,
                       "stats": mut.get("balance_stats", {}), "diag": mut.get("diagnostics", {})}
 
-    grad_fn = jax.grad(micro_loss, has_aux=True)
+    # jit: the micro-batch path traces it once for shapes and once in the scan; the second is a cache hit.
+    grad_fn = jax.jit(jax.grad(micro_loss, has_aux=True))
 
     def step(state, batch):
         params, balance = state["params"], state["balance"]
@@ -75,22 +76,26 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
         rng = jax.random.fold_in(state["rng"], state["step"])
         keys = jax.random.split(rng, micro_batches)
 
-        grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
         if micro_batches > 1 and moe_cfg is not None and moe_cfg.balancing == "quantile":
             # Exact QB keeps every margin, so its statistics grow per micro-batch: no scan carry.
+            grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
             for i in range(1, micro_batches):
                 g, o = grad_fn(params, balance, _index(mbs, i), total, keys[i])
                 grads, out = jax.tree.map(jnp.add, grads, g), _add_out(out, o)
             out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
         elif micro_batches > 1:
             def body(carry, xs):
-                g_acc, o_acc = carry
-                mb, key = xs
+                (mb, key) = xs
                 g, o = grad_fn(params, balance, mb, total, key)
-                return (jax.tree.map(jnp.add, g_acc, g), _add_out(o_acc, o)), None
-            rest = jax.tree.map(lambda x: x[1:], (mbs, keys))
-            (grads, out), _ = jax.lax.scan(body, (grads, out), rest)
+                return (jax.tree.map(jnp.add, carry[0], g), _add_out(carry[1], o)), None
+            # Every micro-batch runs inside the scan, from a zero carry: one copy of the model's
+            # forward and backward in the program (compile time), not one more for the first.
+            shapes = jax.eval_shape(grad_fn, params, balance, _index(mbs, 0), total, keys[0])
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (grads, out), _ = jax.lax.scan(body, zeros, (mbs, keys))
             out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
+        else:
+            grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
 
         loss = out["sum_nats"] / total
         grad_norm = optax.tree.norm(grads)
