@@ -23,7 +23,7 @@ from k3jax.layers.moe import MoEBlock
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, make_dispatch
 from k3jax.ops.routing import route, router_scores
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
-from k3jax.parallel.ep_dispatch import capacity, ep_dispatch
+from k3jax.parallel.ep_dispatch import capacity, ep_dispatch, row_segments
 
 E, D, M, N, K = 8, 16, 24, 64, 2
 EMPTY_EXPERT = 5
@@ -212,3 +212,15 @@ def test_errors_before_tracing():
     if jax.default_backend() == "cpu":
         with pytest.raises(ConfigError, match="no CPU lowering"):
             make_dispatch(MoEConfig(dispatch="ragged_all_to_all"))
+
+
+@pytest.mark.parametrize("rows, expected", [(8, 8), (16, 8), (64, 8), (10, 3), (5, 100)])
+def test_row_segments_cover_the_buffer_balanced_load_first(rows, expected):
+    """The pieces a dropless buffer runs in: contiguous, covering every row once, the balanced
+    load first, then pieces no larger than needed to bound the work past it."""
+    segments = row_segments(rows, expected)
+    assert segments[0] == (0, min(rows, expected))
+    assert [a for a, _ in segments[1:]] == [b for _, b in segments[:-1]]
+    assert segments[-1][1] == rows and all(b > a for a, b in segments)
+    if rows > expected:
+        assert segments[1][1] - segments[1][0] <= -(-expected // 4)

@@ -90,27 +90,68 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 # -- the local experts -----------------------------------------------------------------------------
 
-def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
-                 gmm: str, mlp_axes: tuple[str, ...]) -> jax.Array:
-    """Local experts on rows in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
+def row_segments(rows: int, expected: int) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of a dropless buffer of ``rows`` rows whose load is ``expected`` rows
+    under balanced routing: the first piece covers ``expected``, then ``expected/4``, ``/4``, ``/2``,
+    ``x1``, ``x2``, ... to the end (few pieces, and a load over the balanced one by a fraction ``f``
+    computes at most about ``max(f, 1/4)`` more than balanced)."""
+    first = max(1, min(rows, expected))
+    segments, start, piece = [(0, first)], first, max(1, -(-expected // 4))
+    while start < rows:
+        end = min(rows, start + piece)
+        segments.append((start, end))
+        piece *= 2 if len(segments) > 2 else 1
+        start = end
+    return segments
 
-    Rows past ``sum(sizes)`` are padding and come out zero. With tensor parallelism each device
-    holds a slice of the hidden width, so the down projection is a partial sum (``psum`` over it).
-    """
+
+def _expert_rows(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
+                 gmm: str) -> jax.Array:
+    """The local experts on ``[R, D]`` rows in expert order (``sizes [E_l]``) -> ``[R, D]`` fp32;
+    rows past ``sum(sizes)`` are padding and come out zero."""
     gate = grouped_matmul(xs, experts.w_gate, sizes, gmm)
     up = grouped_matmul(xs, experts.w_up, sizes, gmm)
     h = act(gate, up).astype(xs.dtype)
     ys = grouped_matmul(h, experts.w_down, sizes, gmm)
     valid = jnp.arange(xs.shape[0]) < jnp.sum(sizes)
-    ys = jnp.where(valid[:, None], ys, 0.0)
+    return jnp.where(valid[:, None], ys, 0.0)
+
+
+def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
+                 gmm: str, mlp_axes: tuple[str, ...], expected: int | None = None) -> jax.Array:
+    """Local experts on rows in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
+
+    A dropless buffer is sized for the worst case (``E_p`` times the balanced load) and the
+    grouped-matmul kernels compute every row they are given, padding included; so the rows run in
+    :func:`row_segments` pieces and a piece past the last real row is skipped (``lax.cond``).
+    With tensor parallelism each device holds a slice of the hidden width, so the down projection
+    is a partial sum (``psum`` over it, outside the conditionals).
+    """
+    rows = xs.shape[0]
+    segments = row_segments(rows, expected or rows)
+    ends = jnp.cumsum(sizes)
+    starts, total = ends - sizes, ends[-1]
+    pieces = []
+    for a, b in segments:
+        piece_sizes = (jnp.clip(ends, a, b) - jnp.clip(starts, a, b)).astype(jnp.int32)
+
+        def run(x_piece, piece_sizes=piece_sizes):
+            return _expert_rows(x_piece, piece_sizes, experts, act, gmm)
+
+        def skip(x_piece):
+            return jnp.zeros(x_piece.shape, F32)
+
+        pieces.append(run(xs[a:b]) if a == 0 else jax.lax.cond(total > a, run, skip, xs[a:b]))
+    ys = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
     return jax.lax.psum(ys, mlp_axes) if mlp_axes else ys
 
 
-def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, gmm, mlp_axes):
+def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, gmm, mlp_axes,
+               expected: int | None = None):
     """Rows in any order with local expert ids (``e_local``: padding) -> outputs, same order."""
     order = jnp.argsort(local_ids, stable=True)                     # padding sorts last
     sizes = jnp.bincount(local_ids, length=e_local).astype(jnp.int32)
-    ys = _grouped_ffn(jnp.take(xs, order, axis=0), sizes, experts, act, gmm, mlp_axes)
+    ys = _grouped_ffn(jnp.take(xs, order, axis=0), sizes, experts, act, gmm, mlp_axes, expected)
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
 
 
@@ -153,7 +194,7 @@ def _all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gm
     recv_x = jax.lax.all_to_all(send_x.reshape(e_shards, cap, d), ax, 0, 0, tiled=True)
     recv_id = jax.lax.all_to_all(send_id.reshape(e_shards, cap), ax, 0, 0, tiled=True)
     ys = _run_local(recv_x.reshape(-1, d), recv_id.reshape(-1), e_local, experts, act, gmm,
-                    lay.mlp_axes).astype(x.dtype)
+                    lay.mlp_axes, expected=n * k).astype(x.dtype)
     back = jax.lax.all_to_all(ys.reshape(e_shards, cap, d), ax, 0, 0, tiled=True)
     y_sorted = jnp.take(back.reshape(-1, d), pos, axis=0, mode="fill", fill_value=0)
     dropped = jnp.sum(~keep).astype(jnp.int32)
@@ -174,7 +215,7 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
     ends = jnp.minimum(jnp.cumsum(counts), cap)                     # capacity cuts the last groups
     sizes = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     xs = jnp.take(x_all, order // k, axis=0)
-    ys = _grouped_ffn(xs, sizes, experts, act, gmm, lay.mlp_axes)  # [cap, D] fp32, padding 0
+    ys = _grouped_ffn(xs, sizes, experts, act, gmm, lay.mlp_axes, expected=n * k)  # [cap, D] fp32
     y_slots = jnp.zeros((flat.shape[0], x.shape[1]), F32).at[order].set(ys, unique_indices=True)
     partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32))
     y = jax.lax.psum_scatter(partial, ax, scatter_dimension=0, tiled=True)
@@ -200,7 +241,8 @@ def _ragged_all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, 
     recv_id = jax.lax.ragged_all_to_all((sid % e_local)[:, None],
                                         jnp.full((rows, 1), e_local, jnp.int32), offsets, counts,
                                         land, recv_sizes, axis_name=ax)[:, 0]
-    ys = _run_local(recv_x, recv_id, e_local, experts, act, gmm, lay.mlp_axes).astype(x.dtype)
+    ys = _run_local(recv_x, recv_id, e_local, experts, act, gmm, lay.mlp_axes,
+                    expected=n * k).astype(x.dtype)
     y_sorted = jax.lax.ragged_all_to_all(ys, jnp.zeros((n * k, d), x.dtype), recv_offsets,
                                          recv_sizes, home, counts, axis_name=ax)
     return _combine(y_sorted, order, w).astype(x.dtype), jnp.zeros((), jnp.int32)
