@@ -50,32 +50,12 @@ from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # no
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
 from k3jax.parallel.ep_dispatch import EP_DISPATCHES, ep_dispatch, make_ep_dispatch  # noqa: E402
 from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
+from _timing import emit, timed  # noqa: E402
 
 FULL = dict(d_model=2048, num_experts=64, top_k=8, latent_dim=1024, expert_intermediate=768,
             shared_intermediate=2048, layers=4, tokens_per_device=16384, seq_len=2048)
 TINY = dict(d_model=32, num_experts=8, top_k=2, latent_dim=16, expert_intermediate=16,
             shared_intermediate=16, layers=1, tokens_per_device=64, seq_len=16)
-
-
-def emit(record: dict, out) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
-
-
-def timed(fn, args, iters: int, repeats: int) -> float:
-    """Median milliseconds per call of an already-compiled function."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return statistics.median(times)
 
 
 def split_name(name: str) -> tuple[str, float | None]:
