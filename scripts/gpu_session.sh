@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What one lent GPU session runs, in the order that matters, each part time-boxed, logs under $OUT.
+#
+#   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: kernel tests, KDA benchmark, k3_small
+#   bash scripts/gpu_session.sh two              # two H200s: the 1-vs-2-GPU MoE step
+#
+# CORPUS_DIR: a corpus built by `python -m k3jax.data build ... --tokenizer bpe --vocab 16384` (the
+# machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
+# flash-linear-attention, jax-linear-attention) are installed from ./.whl when that folder exists.
+# Budgets add up to under 10 minutes per call, the device tool's limit.
+set -u
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+part() { local name=$1 secs=$2; shift 2; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1;
+         echo "[$name] rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-200)"; }
+
+case "${1:-}" in
+one)
+  corpus=${2:?usage: gpu_session.sh one CORPUS_DIR}
+  if [ -d .whl ]; then
+    python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+  fi
+  export CUDA_VISIBLE_DEVICES=0
+  part kda_gpu_tests 120 python3 -m pytest -q tests/test_pallas_kda_gpu.py
+  part kda_bench 150 python3 benchmarks/kda.py --out "$OUT/kda.jsonl"
+  part step_breakdown 150 python3 benchmarks/step_breakdown.py
+  part k3_small 170 python3 train.py --config configs/k3_small.py --workdir /tmp/k3s \
+    --set data.data_dir="$corpus" --set train.steps=30 --set eval.batches=2 --set eval.tasks= \
+    --set eval.every=1000 --set checkpoint.every=1000
+  cp /tmp/k3s/metrics.jsonl "$OUT/k3_small_metrics.jsonl" 2>/dev/null ;;
+two)
+  part moe 540 python3 benchmarks/moe.py --skip grouped_matmul --dispatches ring,all_to_all \
+    --gmm mosaic --step-gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl" ;;
+*)
+  echo "usage: gpu_session.sh one CORPUS_DIR | two" >&2; exit 2 ;;
+esac
