@@ -33,6 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
+from pallas_kernels.kda_scores import qk_kk_scores
+
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 
 
@@ -112,13 +115,25 @@ def _segment_masks(segment_ids, b, nc, c):
     return same, enter, leave
 
 
-def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None) -> Prepared:
+SCORES = ("xla", "mosaic")
+
+
+def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: str = "xla",
+            interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype (computed
     in fp32). ``T`` is padded to a multiple of ``chunk_size`` with zero keys, values, queries, beta
     and gates, which leave the state unchanged.
+
+    ``scores`` picks how ``Aqk`` and ``Akk`` are built: ``"xla"`` (default, :func:`_tree_scores`) or
+    ``"mosaic"`` (:func:`pallas_kernels.kda_scores.qk_kk_scores`, a Mosaic GPU kernel pair with bf16
+    tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
     """
+    if scores not in SCORES:
+        raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
+    if scores == "mosaic" and chunk_size != _SCORES_CHUNK:
+        raise ValueError(f"prepare: scores='mosaic' needs chunk_size={_SCORES_CHUNK}, got {chunk_size}")
     f32, c = jnp.float32, chunk_size
     b, t, h, dk = q.shape
     q, k, v, g, beta = (pad_time(x.astype(f32), c) for x in (q, k, v, g, beta))
@@ -132,8 +147,14 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None) -> Prepare
     g_cum = jnp.cumsum(gc, axis=-2)
     g_last = g_cum[..., -1:, :]  # [B, H, NC, 1, K]
 
-    aqk = _tree_scores(qc * scale, kc, g_cum)
-    akk = _tree_scores(kc, kc, g_cum) * (1.0 - jnp.eye(c, dtype=f32))
+    if scores == "mosaic":
+        heads_major = lambda x: x.reshape(b, h, nc * c, dk)  # noqa: E731  [B, H, NC, C, K] -> [B, H, Tp, K]
+        aqk, akk = qk_kk_scores(heads_major(qc * scale), heads_major(kc), heads_major(g_cum),
+                                interpret=interpret)
+        aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
+    else:
+        aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)
+    akk = akk * (1.0 - jnp.eye(c, dtype=f32))
     gamma_rows = jnp.exp(g_cum)
     kdecay = jnp.exp(g_last - g_cum)
     gamma = jnp.exp(g_last[..., 0, :])  # [B, H, NC, K]

@@ -1,0 +1,309 @@
+"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and their VJP (SPEC 3.3).
+
+Per chunk of ``C = 64`` rows (one batch, head, chunk), for ``r >= j`` (0 above the diagonal)::
+
+    S[r, j] = sum_c a[r, c] b[j, c] exp(G[r, c] - G[j, c])
+
+with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is ``<= 0``).
+``Aqk`` is ``S`` for ``a = scale q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
+``a = b = k``; :func:`qk_kk_scores` computes both in one call and shares the decay work.
+
+Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
+As in :func:`pallas_kernels.kda_prep._tree_scores`, a pair ``r > j`` belongs to exactly one level
+``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row blocks: ``r`` in a right block ``[p, p + s)``,
+``j`` in its left sibling ``[p - s, p)``. There the decay factors through the right block's *first*
+row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both factors ``<= 1`` for any gate magnitude. Each row
+``x`` has one anchor per level, ``p(x) = (x & ~(2s - 1)) + s``, and one factor
+``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take ``exp(G_x - G_p)``,
+left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA ``(a E) (b E)^T`` (bf16 operands, fp32
+accumulation) over all 64 x 64 pairs, kept only where ``(r, j)`` are siblings at that level. The
+diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in fp32.
+
+Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
+``db[j] = sum_r dS[r, j] a[r] exp(G_r - G_j)`` (same anchored levels: ``E (dS_s (b E))`` and
+``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient is
+``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
+
+Layout: one CTA (one warpgroup) per ``(chunk, head, batch)``; the key channels are handled in tiles
+of 64 (``K`` in {64, 128}). Inputs arrive by TMA in plain SMEM; the scaled operands of each level
+are written to swizzled bf16 SMEM tiles for WGMMA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._mgpu import BF16, F32, WG, kernel, load, matmul, tiles
+
+CHUNK = 64
+KT = 64  # key-channel tile
+HEAD_DIMS = (64, 128)
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+LEVELS = (32, 16, 8, 4, 2, 1)
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
+ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+# --------------------------------------------------------------------------- in-kernel helpers
+
+
+def _iota(dim: int, shape=(CHUNK, CHUNK)):
+    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
+
+
+def _siblings(s: int, rows, cols):
+    """``[C, C]`` bool: row ``r`` in a right block of level ``s``, column ``j`` in its left sibling."""
+    lg = s.bit_length() - 1
+    rb, jb = rows >> lg, cols >> lg
+    return (rb == (jb | 1)) & ((jb & 1) == 0)
+
+
+def _decay(g_ref, s: int, ch):
+    """``[C, KT]`` fp32 ``E[x] = exp(-|G_x - G_p(x)|)`` for level ``s`` (module docstring), channels ``ch``.
+
+    The anchors' rows are picked by a select chain over the row's block of ``2s`` rows.
+    """
+    g = load(g_ref.at[:, ch])
+    rows = _iota(0, (CHUNK, KT))
+    blk = rows >> (s.bit_length())  # block of 2s rows
+    anchor = None
+    for m in range(CHUNK // (2 * s)):
+        row = lax.broadcast_in_dim(load(g_ref.at[2 * s * m + s, ch], COL), (CHUNK, KT), (1,))
+        anchor = row if anchor is None else jnp.where(blk == m, row, anchor)
+    d = g - anchor
+    return jnp.exp(jnp.minimum(d, -d))
+
+
+def _channels(dk: int):
+    return [pl.ds(h * KT, KT) for h in range(dk // KT)]
+
+
+# --------------------------------------------------------------------------- forward kernel
+
+
+def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
+    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``)."""
+    nb, h, tp, dk = b.shape
+    nl, nh, chs = len(lhs), dk // KT, _channels(dk)
+    out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), out_dtype) for _ in which)
+
+    def body(*refs):
+        a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        outs, refs = refs[:len(which)], refs[len(which):]
+        a_s, (b_s, g_s, bp_s), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
+        ap_s, bar = refs[:nl], refs[nl]
+        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        tok = pl.ds(ni * CHUNK, CHUNK)
+        for src, dst in zip((*a_refs, b_ref, g_ref), (*a_s, b_s, g_s)):
+            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+        plgpu.barrier_wait(bar)
+        lhs_s = [b_s if w < 0 else a_s[w] for w in which]
+        lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
+        rows, cols = _iota(0), _iota(1)
+
+        # Diagonal, exact in fp32.
+        scores = []
+        for x_s in lhs_s:
+            dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(b_s.at[:, ch]).astype(F32), axis=1)
+                      for ch in chs)
+            scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
+        # Off-diagonal, one anchored level at a time.
+        for s in LEVELS:
+            for t, ch in enumerate(chs):
+                e = _decay(g_s, s, ch)
+                bp_s.at[t][...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
+                for i in range(nl):
+                    ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
+            plgpu.commit_smem()
+            keep = _siblings(s, rows, cols)
+            for i, x_p in enumerate(lhs_p):
+                prod = matmul((CHUNK, CHUNK), *[(x_p.at[t], bp_s.at[t].T) for t in range(nh)])
+                scores[i] = scores[i] + jnp.where(keep, prod, 0.0)
+        for out, sc in zip(outs, scores):
+            out.at[bi, hi, tok][...] = sc.astype(out_dtype)
+
+    scratch = (
+        *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
+        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
+        tiles((nh, CHUNK, KT)),  # b E, per channel tile
+        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
+        plgpu.Barrier(num_arrivals=nl + 2),
+    )
+    run = kernel(body, "kda_scores_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
+                 grid_names=("n", "h", "b"), scratch_types=scratch)
+    return run(*lhs, b, g)
+
+
+# --------------------------------------------------------------------------- backward kernel
+
+
+def _bwd_call(lhs, b, g, dss, *, which, interpret):
+    """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``.
+
+    ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``).
+    """
+    nb, h, tp, dk = b.shape
+    nl, no, chs = len(lhs), len(which), _channels(dk)
+    sds = jax.ShapeDtypeStruct((nb, h, tp, dk), F32)
+    out_type = tuple(sds for _ in range(nl + 2))
+
+    def body(*refs):
+        a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        ds_refs, refs = refs[:no], refs[no:]
+        da_refs, (db_ref, dg_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        a_s, (b_s, g_s), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        ds_s, refs = refs[:no], refs[no:]
+        bp_s, ap_s, dsl_s, bar = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no], refs[1 + nl + no]
+        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        tok = pl.ds(ni * CHUNK, CHUNK)
+        for src, dst in zip((*a_refs, b_ref, g_ref, *ds_refs), (*a_s, b_s, g_s, *ds_s)):
+            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+        plgpu.barrier_wait(bar)
+        lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
+        rows, cols = _iota(0), _iota(1)
+        diag = rows == cols
+
+        for ch in chs:
+            da = [None] * no  # row side, per output
+            db = None  # column side
+            for s in LEVELS:
+                e = _decay(g_s, s, ch)
+                bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
+                for i in range(nl):
+                    ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
+                keep = _siblings(s, rows, cols)
+                for o in range(no):
+                    dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
+                plgpu.commit_smem()
+                for o in range(no):
+                    term = e * matmul((CHUNK, KT), (dsl_s[o], bp_s))
+                    da[o] = term if da[o] is None else da[o] + term
+                term = e * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
+                db = term if db is None else db + term
+            bvals = load(b_s.at[:, ch]).astype(F32)
+            avals = [bvals if w < 0 else load(a_s[w].at[:, ch]).astype(F32) for w in which]
+            dg = -bvals * db
+            for o in range(no):
+                dg = dg + avals[o] * da[o]
+            dg_ref.at[bi, hi, tok, ch][...] = dg
+            # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
+            for o in range(no):
+                w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
+                w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
+                da[o] = da[o] + w * bvals
+                db = db + w * avals[o]
+            for o, wo in enumerate(which):
+                if wo < 0:
+                    db = db + da[o]
+                else:
+                    da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
+            db_ref.at[bi, hi, tok, ch][...] = db
+
+    scratch = (
+        *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
+        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
+        *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain)
+        tiles((CHUNK, KT)),  # b E
+        *(tiles((CHUNK, KT)) for _ in range(nl)),  # a E
+        *(tiles((CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
+        plgpu.Barrier(num_arrivals=nl + 2 + no),
+    )
+    run = kernel(body, "kda_scores_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
+                 grid_names=("n", "h", "b"), scratch_types=scratch)
+    return run(*lhs, b, g, *dss)
+
+
+# A model calls these once per KDA layer: jit so every call site with one shape shares a lowering.
+_fwd_jit = jax.jit(_fwd_call, static_argnames=("which", "out_dtype", "interpret"))
+_bwd_jit = jax.jit(_bwd_call, static_argnames=("which", "interpret"))
+
+
+# --------------------------------------------------------------------------- differentiable op
+
+
+def _bf16(x):
+    return x.astype(BF16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _scores(lhs, b, g, which, out_dtype, interpret):
+    return _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), which=which, out_dtype=out_dtype,
+                    interpret=interpret)
+
+
+def _scores_fwd(lhs, b, g, which, out_dtype, interpret):
+    return _scores(lhs, b, g, which, out_dtype, interpret), (lhs, b, g)
+
+
+def _scores_bwd(which, out_dtype, interpret, res, dss):
+    lhs, b, g = res
+    *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), which=which,
+                           interpret=interpret)
+    return (tuple(d.astype(x.dtype) for d, x in zip(da, lhs)), db.astype(b.dtype), dg.astype(g.dtype))
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def _check(name: str, b, g, lhs, out_dtype):
+    shape = b.shape
+    if len(shape) != 4 or shape[2] % CHUNK or shape[3] not in HEAD_DIMS:
+        raise ValueError(f"{name}: b (or k) must be [B, H, Tp, K] with Tp a multiple of {CHUNK} and K in "
+                         f"{HEAD_DIMS}, got {shape}")
+    for arg, x in (("g_cum", g), *((f"lhs {i}", a) for i, a in enumerate(lhs))):
+        if x.shape != shape:
+            raise ValueError(f"{name}: {arg} must have b's shape {shape}, got {x.shape}")
+    for arg, x in (("b", b), ("g_cum", g), *((f"lhs {i}", a) for i, a in enumerate(lhs))):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: {arg} must be floating point, got {x.dtype}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+
+
+def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
+    """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` in each chunk of 64 rows, else 0.
+
+    Args:
+      a, b: ``[B, H, Tp, K]`` (``Tp`` a multiple of 64, ``K`` in {64, 128}); rounded to bf16 for the
+        tensor cores (pass bf16-representable values for exact operands).
+      g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay (non-increasing within a chunk), fp32.
+      out_dtype: fp32 or bf16.
+      interpret: run in the Mosaic GPU interpreter (CPU tests).
+
+    Returns:
+      ``[B, H, Tp, 64]`` (row ``t`` holds chunk-local row ``t mod 64``). Differentiable in ``a, b,
+      g_cum`` (backward: a Mosaic GPU kernel); cotangents come back in the inputs' dtypes.
+    """
+    _check("scores", b, g_cum, (a,), out_dtype)
+    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), interpret)
+    return s
+
+
+def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
+    """``(scores(q, k, g_cum), scores(k, k, g_cum))`` in one kernel call (shared decays and loads).
+
+    ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`; the
+    second result includes the diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
+    """
+    _check("qk_kk_scores", k, g_cum, (q,), out_dtype)
+    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), interpret)
+
+
+def scores_reference(a, b, g_cum):
+    """Plain fp32 reference of :func:`scores` (pairwise, ``[.., C, C, K]`` decays; small inputs only)."""
+    nb, h, tp, dk = b.shape
+    shp = (nb, h, tp // CHUNK, CHUNK, dk)
+    a, b, g = (x.astype(F32).reshape(shp) for x in (a, b, g_cum))
+    lower = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
+    diff = jnp.where(lower[:, :, None], g[..., :, None, :] - g[..., None, :, :], 0.0)  # [.., r, j, K]
+    s = jnp.sum(a[..., :, None, :] * b[..., None, :, :] * jnp.exp(diff), axis=-1)
+    return jnp.where(lower, s, 0.0).reshape(nb, h, tp, CHUNK)
+
+
+__all__ = ["scores", "qk_kk_scores", "scores_reference", "CHUNK", "HEAD_DIMS"]
