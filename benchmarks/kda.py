@@ -79,6 +79,11 @@ def ours(q, k, v, g, beta):
     return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
 
 
+def ours_mosaic_scores(q, k, v, g, beta):
+    from pallas_kernels.kda import kda_pallas
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, scores="mosaic")[0]
+
+
 def chunked(q, k, v, g, beta):
     from k3jax.ops.kda_chunked import kda_chunked
     return kda_chunked(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
@@ -108,15 +113,16 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
-def breakdown(args):
-    """Split our forward+backward into the XLA token-parallel part and the two state kernels (ms)."""
+def breakdown(args, scores="xla"):
+    """Split our forward+backward into the token-parallel part (intra-chunk scores by ``scores``) and
+    the two state kernels (ms)."""
     from pallas_kernels.kda_prep import prepare
     from pallas_kernels.kda_state_bwd import state_bwd
     from pallas_kernels.kda_state_fwd import state_fwd
 
     q, k, v, g, beta = args
     scale = q.shape[-1] ** -0.5
-    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64)
+    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64, scores=scores)
     p = jax.jit(prep)(*args)
     bf = lambda x: x.astype(jnp.bfloat16)
     h0 = jnp.zeros(q.shape[:1] + q.shape[2:3] + (q.shape[3], v.shape[3]), jnp.float32)
@@ -151,7 +157,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
-                    help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla (run in this "
+                    help="comma-separated subset of ours_pallas, ours_pallas_mosaic_scores (intra-chunk "
+                         "scores as a Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
@@ -172,13 +179,16 @@ def main(argv=None):
     if a.breakdown:
         shape = tuple(int(x) for x in a.breakdown.split(","))
         try:
-            emit({"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(make_inputs(*shape))})
+            for scores in ("xla", "mosaic"):
+                emit({"impl": "ours_pallas_parts", "scores": scores, "shape": list(shape),
+                      **breakdown(make_inputs(*shape), scores)})
         except Exception as e:
             emit({"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
     for name in a.impls.split(","):
         for shape in shapes:
             args = make_inputs(*shape)
             run = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
+                   "ours_pallas_mosaic_scores": lambda: jax_pair(ours_mosaic_scores, args),
                    "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}[name]
             try:
                 results[name, shape] = r = run()

@@ -89,7 +89,7 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=64, interpret=False):
+               chunk_size=64, interpret=False, scores="xla"):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -101,6 +101,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       segment_ids: optional integer ``[B, T]``; the state restarts from zero where the id changes.
       chunk_size: 64.
       interpret: run the kernels in the Mosaic GPU interpreter (CPU tests).
+      scores: how the intra-chunk score matrices are built, ``"xla"`` or ``"mosaic"`` (the Mosaic GPU
+        kernel pair of :mod:`pallas_kernels.kda_scores`; opt-in until it has been timed on a GPU).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
@@ -108,7 +110,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids)
+    p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
+                scores=scores, interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)

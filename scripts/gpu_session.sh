@@ -24,9 +24,10 @@ one)
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
   export CUDA_VISIBLE_DEVICES=0
-  part kda_gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_pallas_kda_gpu.py
-  part kda_bench 150 python3 benchmarks/kda.py --out "$OUT/kda.jsonl"
-  part step_breakdown 150 python3 benchmarks/step_breakdown.py
+  part kda_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_pallas_kda_gpu.py
+  part kda_bench 160 python3 benchmarks/kda.py --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla \
+    --breakdown --out "$OUT/kda.jsonl"
+  part step_breakdown 140 python3 benchmarks/step_breakdown.py
   part k3_small 170 python3 train.py --config configs/k3_small.py --workdir /tmp/k3s \
     --set data.data_dir="$corpus" --set train.steps=30 --set eval.batches=2 --set eval.tasks= \
     --set eval.every=1000 --set checkpoint.every=1000

@@ -28,14 +28,14 @@ def _loss(fn, do, dfin):
     return f
 
 
-def _check_all(args, seg, do, dfin):
+def _check_all(args, seg, do, dfin, scores="xla"):
     dk = args[0].shape[-1]
     scale = dk**-0.5
     ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                      segment_ids=seg)
     ker = lambda q, k, v, g, beta, h0: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale,
                                                   initial_state=h0, segment_ids=seg, output_final_state=True,
-                                                  interpret=True)
+                                                  interpret=True, scores=scores)
     (ro, rf), (o, f) = ref(*args), ker(*args)
     assert o.dtype == jnp.bfloat16 and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
@@ -88,12 +88,14 @@ def test_state_kernels_match_plain_jax():
         assert rel_rms(r, x) <= BF16_GRAD_QKV_TOL
 
 
-@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)])
-def test_kda_pallas_values_and_gradients(gate, segments):
-    """End to end (padding T=90 to 128, initial and final state): values and all six gradients."""
+@pytest.mark.parametrize("gate,segments,scores", [("lower_bound", False, "xla"), ("softplus", True, "xla"),
+                                                  ("softplus", True, "mosaic")])
+def test_kda_pallas_values_and_gradients(gate, segments, scores):
+    """End to end (padding T=90 to 128, initial and final state): values and all six gradients, with
+    the intra-chunk scores from XLA or from the Mosaic scores kernel."""
     args, do, dfin = kda_bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
-    _check_all(args, seg, do, dfin)
+    _check_all(args, seg, do, dfin, scores)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():
