@@ -24,7 +24,6 @@ line and the rest continues.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,6 @@ if "--tiny" in sys.argv and "xla_force_host_platform_device_count" not in os.env
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import k3jax.parallel as kp  # noqa: E402
 from k3jax.config import ModelConfig, MoEConfig  # noqa: E402

@@ -7,24 +7,25 @@ calls. One JSON line per part::
     {"part": "kda_mixer", "count": 9, "ms": ..., "ms_all": count * ms, "share_of_grad": ...,
      "gflop": ..., "tflops": ...}
 
-``count`` is how many of that part one micro-batch runs; ``share_of_grad`` divides ``ms_all`` by the
-model gradient's time (the parts leave out AttnRes, norms and the residual mixing, so the shares
-add up to less than 1: the rest is the remainder line). ``gflop`` is XLA's own count for the compiled
-function (``cost_analysis``), so ``tflops`` is what the part achieves, to set against the MFU that
-``train.py`` reports (which counts model FLOPs the same way for every run). XLA counts a custom call
-(the Mosaic KDA and grouped-matmul kernels) as no FLOPs and a loop body once, so parts with kernels
-or scans under-report ``gflop``; their ``ms`` is exact. Parts:
+``count`` is how many of that part one micro-batch runs; ``share_of_grad`` divides ``ms_all`` by
+the model gradient's time (the parts leave out AttnRes, norms and the residual mixing, so the
+shares add up to less than 1: the rest is the remainder line). ``gflop`` is XLA's own count for the
+compiled function (``cost_analysis``), so ``tflops`` is what the part achieves, to set against the
+MFU that ``train.py`` reports (which counts model FLOPs the same way for every run). XLA counts a
+custom call (the Mosaic KDA and grouped-matmul kernels) as no FLOPs and a loop body once, so parts
+with kernels or scans under-report ``gflop``; their ``ms`` is exact. Parts:
 
-- ``kda_op``: the KDA op alone (``k3jax.ops.kda.kda``, ``impl`` as configured) at the layer's shapes;
+- ``kda_op``: the KDA op alone (``k3jax.ops.kda.kda``, ``impl`` as configured), layer shapes;
 - ``kda_mixer`` / ``mla_mixer``: the token-mixer layers (projections, convs, gates, norms, output);
 - ``moe_ffn`` / ``dense_ffn``: the FFN sub-layers (router, dispatch, experts, shared MLP);
 - ``lm_head``: final logits and the cross-entropy (the embedding gather is left out);
-- ``optimizer``: the optimiser update on the full parameter tree (once per step, not per micro-batch);
+- ``optimizer``: the optimiser update on all parameters (once per step, not per micro-batch);
 - ``model_grad``: the whole model's loss gradient for one micro-batch;
 - ``train_step``: what ``train.py`` jits (all micro-batches, the update, the balancing).
 
     PYTHONPATH=. python benchmarks/step_breakdown.py                       # k3_small, its batch
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_breakdown.py --preset k3_tiny --batch 2 --seq 64
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_breakdown.py --preset k3_tiny \
+        --batch 2 --seq 64
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def sublayer_grad(module, x, *extra, **kwargs):
 
 
 def kda_op_grad(cfg, b: int, t: int):
-    """The KDA op at one layer's shapes: bf16 q, k, v (q, k L2-normalised), the gate at its bound."""
+    """The KDA op at one layer's shapes: bf16 q, k, v (q, k unit norm), the gate at its bound."""
     h, d = cfg.kda.num_heads, cfg.kda.head_dim
     keys = jax.random.split(jax.random.key(1), 3)
     unit = lambda k: (lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True))(
@@ -182,7 +183,8 @@ def main(argv=None) -> None:
             grad_ms = row["ms_all"]
         rows.append(row)
     for row in rows:
-        if grad_ms and "ms_all" in row and row["part"] not in ("model_grad", "train_step", "optimizer"):
+        per_micro_batch = row["part"] not in ("model_grad", "train_step", "optimizer")
+        if grad_ms and "ms_all" in row and per_micro_batch:
             row["share_of_grad"] = round(row["ms_all"] / grad_ms, 3)
         emit(row)
     covered = sum(r.get("ms_all", 0) for r in rows

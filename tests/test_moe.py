@@ -11,7 +11,7 @@ from k3jax.config import ConfigError, ModelConfig, MoEConfig
 from k3jax.layers.moe import MoEBlock
 from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, dense_dispatch, make_dispatch,
                                     ragged_dispatch, register_dispatch)
-from k3jax.ops.routing import aux_balance_loss, gate_weights, route, router_scores
+from k3jax.ops.routing import aux_balance_loss, route, router_scores
 from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 
 E, K, D, M = 6, 2, 16, 8

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from k3jax.data.sources import STDLIB, Document, iter_documents, stdlib_dir
-from k3jax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from k3jax.data.tokenizer import BPETokenizer, ByteTokenizer
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from k3jax.data import make_data
 from k3jax.train.checkpoint import Checkpointer, abstract_like
-from k3jax.train.evaluation import evaluate_batches, summary_line, task_batches
+from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.metrics import MetricsWriter, flatten
 from k3jax.train.optim import build_optimizer, schedule
 from k3jax.train.step import BATCH_KEYS, init_state, make_eval_step, make_train_step
