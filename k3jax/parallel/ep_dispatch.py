@@ -90,19 +90,20 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 # -- the local experts -----------------------------------------------------------------------------
 
-def row_segments(rows: int, expected: int) -> list[tuple[int, int]]:
+def row_segments(rows: int, expected: int, max_tail: int = 8) -> list[tuple[int, int]]:
     """``[start, end)`` pieces of a dropless buffer of ``rows`` rows whose load is ``expected`` rows
-    under balanced routing: the first piece covers ``expected``, then ``expected/4``, ``/4``, ``/2``,
-    ``x1``, ``x2``, ... to the end (few pieces, and a load over the balanced one by a fraction ``f``
-    computes at most about ``max(f, 1/4)`` more than balanced)."""
+    under balanced routing: the first piece covers ``expected``, the rest is cut into equal pieces
+    of at most ``expected / 4`` rows, or into ``max_tail`` pieces if that needs more. A load over the
+    balanced one by a fraction ``f`` then computes at most about ``f + 1/4`` more than balanced (two
+    devices), and the grouped-matmul kernels see at most three row counts (few kernels to compile)."""
     first = max(1, min(rows, expected))
-    segments, start, piece = [(0, first)], first, max(1, -(-expected // 4))
-    while start < rows:
-        end = min(rows, start + piece)
-        segments.append((start, end))
-        piece *= 2 if len(segments) > 2 else 1
-        start = end
-    return segments
+    tail = rows - first
+    if tail == 0:
+        return [(0, first)]
+    quarter = -(-expected // 4)
+    count = min(max_tail, -(-tail // quarter))
+    piece = -(-tail // count)
+    return [(0, first)] + [(a, min(rows, a + piece)) for a in range(first, rows, piece)]
 
 
 def _expert_rows(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
