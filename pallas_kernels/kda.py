@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._mgpu import shared_lowering
 from pallas_kernels.kda_prep import pad_time, prepare
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
@@ -31,10 +32,8 @@ CHUNK_SIZES = (64,)
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-# A model calls the kernels once per KDA layer: under jit every call site with the same shapes
-# shares one lowered Mosaic module, instead of each layer lowering and compiling its own copy.
-_state_fwd_jit = jax.jit(state_fwd, static_argnames=("chunk_size", "interpret"))
-_state_bwd_jit = jax.jit(state_bwd, static_argnames=("chunk_size", "interpret"))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "interpret"))
+_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "interpret"))
 
 
 def _bf16(x):

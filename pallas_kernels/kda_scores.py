@@ -39,7 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, WG, kernel, load, matmul, tiles
+from pallas_kernels._mgpu import BF16, F32, WG, kernel, load, matmul, shared_lowering, tiles
 
 CHUNK = 64
 KT = 64  # key-channel tile
@@ -219,9 +219,8 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
     return run(*lhs, b, g, *dss)
 
 
-# A model calls these once per KDA layer: jit so every call site with one shape shares a lowering.
-_fwd_jit = jax.jit(_fwd_call, static_argnames=("which", "out_dtype", "interpret"))
-_bwd_jit = jax.jit(_bwd_call, static_argnames=("which", "interpret"))
+_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype", "interpret"))
+_bwd_jit = shared_lowering(_bwd_call, ("which", "interpret"))
 
 
 # --------------------------------------------------------------------------- differentiable op

@@ -103,11 +103,13 @@ def test_kernels_lower_for_cuda(dk):
     the interpreter alone would accept layouts that do not lower."""
     bf, f32 = (jax.ShapeDtypeStruct((1, 2, 2 * C, dk), d) for d in (jnp.bfloat16, jnp.float32))
     ds = jax.ShapeDtypeStruct((1, 2, 2 * C, C), jnp.float32)
+    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtype", "interpret"))
+    bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "interpret"))
     for which in ((0, -1), (0,)):
-        kda_scores._fwd_jit.trace((bf,), bf, f32, which=which, out_dtype=jnp.dtype(jnp.float32),
-                                  interpret=False).lower(lowering_platforms=("cuda",))
-        kda_scores._bwd_jit.trace((bf,), bf, f32, (ds,) * len(which), which=which,
-                                  interpret=False).lower(lowering_platforms=("cuda",))
+        fwd.trace((bf,), bf, f32, which=which, out_dtype=jnp.dtype(jnp.float32),
+                  interpret=False).lower(lowering_platforms=("cuda",))
+        bwd.trace((bf,), bf, f32, (ds,) * len(which), which=which,
+                  interpret=False).lower(lowering_platforms=("cuda",))
 
 
 def test_bad_inputs_raise():

@@ -1,0 +1,56 @@
+"""The benchmark scripts still run: each on toy shapes on the CPU, every JSON line without an error.
+
+They are timed on GPUs only (docs/benchmarks.md); this guards them against bit rot between device
+sessions, and checks the lines carry the fields the docs read from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], timeout: int = 300) -> list[dict]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count where it needs one
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows, out.stdout[-2000:]
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    return rows
+
+
+def test_step_breakdown_runs_on_cpu():
+    rows = _run(["benchmarks/step_breakdown.py", "--preset", "k3_tiny", "--batch", "2", "--seq",
+                 "32", "--iters", "1", "--repeats", "1", "--skip", "kda_op,dense_ffn,train_step"])
+    parts = {r["part"]: r for r in rows if "part" in r}
+    assert {"kda_mixer", "mla_mixer", "moe_ffn", "lm_head", "optimizer", "model_grad"} <= set(parts)
+    assert all(r["ms"] > 0 for name, r in parts.items() if name != "remainder")
+    assert 0 < parts["kda_mixer"]["share_of_grad"] < 1
+
+
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+def test_moe_benchmark_step_runs_on_two_cpu_devices(dispatch):
+    rows = _run(["benchmarks/moe.py", "--tiny", "--skip", "grouped_matmul,dispatch",
+                 "--dispatches", dispatch, "--iters", "1", "--repeats", "1"])
+    steps = [r for r in rows if r.get("bench") == "moe_step"]
+    assert {r["devices"] for r in steps} == {1, 2}
+    assert all(r["tokens_per_s"] > 0 for r in steps)
+    assert any(r.get("bench") == "summary" for r in rows)
+
+
+def test_compile_time_reports_each_stage():
+    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", "--batch", "1", "--seq", "16",
+                 "--parts", "forward"])
+    (row,) = rows
+    assert row["part"] == "forward" and row["compile_s"] > 0 and row["temp_GiB"] is not None
