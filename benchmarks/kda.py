@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _timing import timed
 
 SHAPES = ((1, 8192, 16, 128), (8, 4096, 16, 128), (2, 8192, 64, 128), (1, 32768, 16, 128))
 PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~790, HBM3e 4.8 TB/s
@@ -50,17 +50,9 @@ def make_inputs(b, t, h, d, seed=0):
     return q, k, v, g, beta
 
 
-def time_jax(fn, args, batches=5, calls=10):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(times)
+def time_jax(fn, args):
+    """Median ms per call: 5 batches of 10 calls after the compiling call."""
+    return timed(fn, args, iters=10, repeats=5)
 
 
 def jax_pair(op, args):
