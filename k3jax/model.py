@@ -90,7 +90,7 @@ class K3Model(nn.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool):
-        """Layers ``[plan.start, plan.end)``: unrolled prefix, scanned groups, unrolled suffix."""
+        """Layers ``[plan.start, plan.stop)``: unrolled prefix, scanned groups, unrolled suffix."""
         cfg = self.cfg
         layer_cls = _remat(DecoderLayer, cfg.remat, static_index=True)
         for i in plan.prefix:

@@ -30,13 +30,9 @@ class StackPlan:
     scan_start: int
     group: tuple[LayerSpec, ...]
     repeats: int
-    start: int = 0
-    stop: int | None = None
+    start: int
+    stop: int
     name: str = "scanned_layers"
-
-    @property
-    def end(self) -> int:
-        return len(self.specs) if self.stop is None else self.stop
 
     @property
     def scan_stop(self) -> int:
@@ -48,7 +44,7 @@ class StackPlan:
 
     @property
     def suffix(self) -> range:
-        return range(self.scan_stop, self.end)
+        return range(self.scan_stop, self.stop)
 
 
 def _repeats(specs, start: int, stop: int, period: int) -> int:
