@@ -66,8 +66,10 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
         return loss, {"sum_nats": sum_nats, "aux": aux,
                       "stats": mut.get("balance_stats", {}), "diag": mut.get("diagnostics", {})}
 
-    # jit: the micro-batch path traces it once for shapes and once in the scan; the second is a cache hit.
+    # jit: the scan path traces it for shapes and again in the scan body; the second is a cache hit.
     grad_fn = jax.jit(jax.grad(micro_loss, has_aux=True))
+    # Exact QB keeps every margin, so its statistics grow per micro-batch: no scan carry for it.
+    scan_micro = micro_batches > 1 and not (moe_cfg is not None and moe_cfg.balancing == "quantile")
 
     def step(state, batch):
         params, balance = state["params"], state["balance"]
@@ -76,14 +78,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
         rng = jax.random.fold_in(state["rng"], state["step"])
         keys = jax.random.split(rng, micro_batches)
 
-        if micro_batches > 1 and moe_cfg is not None and moe_cfg.balancing == "quantile":
-            # Exact QB keeps every margin, so its statistics grow per micro-batch: no scan carry.
-            grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
-            for i in range(1, micro_batches):
-                g, o = grad_fn(params, balance, _index(mbs, i), total, keys[i])
-                grads, out = jax.tree.map(jnp.add, grads, g), _add_out(out, o)
-            out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
-        elif micro_batches > 1:
+        if scan_micro:
             def body(carry, xs):
                 (mb, key) = xs
                 g, o = grad_fn(params, balance, mb, total, key)
@@ -93,9 +88,13 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
             shapes = jax.eval_shape(grad_fn, params, balance, _index(mbs, 0), total, keys[0])
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             (grads, out), _ = jax.lax.scan(body, zeros, (mbs, keys))
-            out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
         else:
             grads, out = grad_fn(params, balance, _index(mbs, 0), total, keys[0])
+            for i in range(1, micro_batches):
+                g, o = grad_fn(params, balance, _index(mbs, i), total, keys[i])
+                grads, out = jax.tree.map(jnp.add, grads, g), _add_out(out, o)
+        if micro_batches > 1:
+            out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
 
         loss = out["sum_nats"] / total
         grad_norm = optax.tree.norm(grads)
