@@ -8,6 +8,8 @@ body of the two-process test in ``test_distributed.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -153,3 +155,25 @@ def test_training_on_data2_expert4_equals_one_device():
     gate_mu = [x for p, x in jax.tree_util.tree_flatten_with_path(moments)[0]
                if "expert_gate" in jax.tree_util.keystr(p)]
     assert gate_mu and all(x.sharding.spec == P("expert", None, "tensor") for x in gate_mu)
+
+
+@pytest.mark.parametrize("balancing", ["quantile_hist", "quantile"])
+def test_micro_batches_equal_one_full_batch(balancing):
+    """Two micro-batches (a scan for the histogram rule; unrolled for exact QB, whose margins grow)
+    give the full batch's step: loss, updated parameters and router biases, to fp32 round-off."""
+    cfg = tiny_moe_config("ragged")
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, balancing=balancing))
+    optimizer = build_optimizer(OPTIM, 10, abstract_variables(cfg)["params"])
+    v = init_variables(cfg, jax.random.key(0))
+    state = init_state(v["params"], v["balance"], optimizer, 0)
+    batch = train_batches(1)[0]
+    out = {}
+    for m in (1, 2):
+        step = jax.jit(make_train_step(K3Model(cfg), optimizer, schedule(OPTIM, 10), m, cfg.moe))
+        out[m] = step(state, batch)
+    (one, m1), (two, m2) = out[1], out[2]
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=LOSS_RTOL)
+    for part in ("params", "balance"):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one[part]),
+                                jax.tree.leaves(two[part])):
+            assert rel_rms(np.asarray(a), np.asarray(b)) < FP32_TOL, (part, jax.tree_util.keystr(path))
