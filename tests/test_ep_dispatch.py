@@ -214,18 +214,23 @@ def test_errors_before_tracing():
             make_dispatch(MoEConfig(dispatch="ragged_all_to_all"))
 
 
-@pytest.mark.parametrize("rows, expected", [(8, 8), (16, 8), (64, 8), (10, 3), (5, 100), (800, 100)])
+@pytest.mark.parametrize("rows, expected", [(8, 8), (16, 8), (64, 8), (10, 3), (5, 100), (800, 100),
+                                            (262144, 131072), (1048576, 131072)])
 def test_row_segments_cover_the_buffer_balanced_load_first(rows, expected):
     """The pieces a dropless buffer runs in: contiguous, covering every row once, the balanced load
-    first, then pieces of one size (the last may be shorter): a quarter of the load at most, unless
-    that would take more than 8 pieces."""
+    first, then two pieces of a sixteenth of it, then at most 8 pieces of one size (the last may be
+    shorter), so that the kernels see few row counts and an overshoot wastes little."""
     segments = row_segments(rows, expected)
     assert segments[0] == (0, min(rows, expected))
     assert [a for a, _ in segments[1:]] == [b for _, b in segments[:-1]]
     assert segments[-1][1] == rows and all(b > a for a, b in segments)
-    tail = [b - a for a, b in segments[1:]]
-    assert len(tail) <= 8 and len(set(tail[:-1])) <= 1 and all(t <= tail[0] for t in tail)
-    if tail:
-        rest, quarter = rows - expected, -(-expected // 4)
-        assert len(tail) == min(8, -(-rest // quarter))
-        assert tail[0] <= max(quarter, -(-rest // 8))
+    sizes = [b - a for a, b in segments[1:]]
+    fine = -(-expected // 16)
+    assert all(s <= fine for s in sizes[:2])
+    coarse = sizes[2:]
+    assert len(coarse) <= 8 and len(set(coarse[:-1])) <= 1 and all(s <= coarse[0] for s in coarse)
+    assert len({b - a for a, b in segments}) <= 4
+    if rows >= expected + 2 * fine + 8 * 2 * fine:       # the buffer's rows set the coarse size
+        assert len(coarse) == 8
+    elif coarse:
+        assert coarse[0] == 2 * fine

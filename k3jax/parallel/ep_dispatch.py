@@ -90,20 +90,27 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 # -- the local experts -----------------------------------------------------------------------------
 
-def row_segments(rows: int, expected: int, max_tail: int = 8) -> list[tuple[int, int]]:
+def row_segments(rows: int, expected: int, max_coarse: int = 8) -> list[tuple[int, int]]:
     """``[start, end)`` pieces of a dropless buffer of ``rows`` rows whose load is ``expected`` rows
-    under balanced routing: the first piece covers ``expected``, the rest is cut into equal pieces
-    of at most ``expected / 4`` rows, or into ``max_tail`` pieces if that needs more. A load over the
-    balanced one by a fraction ``f`` then computes at most about ``f + 1/4`` more than balanced (two
-    devices), and the grouped-matmul kernels see at most three row counts (few kernels to compile)."""
+    under balanced routing.
+
+    The first piece covers ``expected`` rows; then two fine pieces of ``expected / 16`` rows (a
+    balanced load's usual overshoot costs at most one of them); then coarse pieces of twice that, or
+    of whatever size keeps them at ``max_coarse``. Pieces after the first run only when real rows
+    reach them: a load over the balanced one by up to an eighth computes at most ``expected / 16``
+    rows past its last real row, a larger one at most one coarse piece; and the grouped-matmul
+    kernels see a handful of row counts, not one per piece (each is a kernel to compile).
+    """
     first = max(1, min(rows, expected))
-    tail = rows - first
-    if tail == 0:
-        return [(0, first)]
-    quarter = -(-expected // 4)
-    count = min(max_tail, -(-tail // quarter))
-    piece = -(-tail // count)
-    return [(0, first)] + [(a, min(rows, a + piece)) for a in range(first, rows, piece)]
+    fine = -(-expected // 16)
+    bounds = [0, first]
+    for _ in range(2):
+        if bounds[-1] < rows:
+            bounds.append(min(rows, bounds[-1] + fine))
+    coarse = max(2 * fine, -(-(rows - bounds[-1]) // max_coarse))
+    while bounds[-1] < rows:
+        bounds.append(min(rows, bounds[-1] + coarse))
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _expert_rows(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
