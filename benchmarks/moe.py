@@ -185,13 +185,18 @@ class _Residual(nn.Module):
 
 
 class MoEStack(nn.Module):
-    """``layers`` residual MoE blocks under one ``nn.scan``, as the model stacks its layer groups
-    (one traced body: compile time does not grow with depth)."""
+    """``layers`` residual MoE blocks, under one ``nn.scan`` (``scan``: as the model stacks its
+    layer groups, one traced body) or one after another (``unrolled``)."""
     cfg: ModelConfig
     layers: int
+    stack: str = "scan"
 
     @nn.compact
     def __call__(self, h):
+        if self.stack == "unrolled":
+            for i in range(self.layers):
+                h = _Residual(self.cfg, name=f"moe_{i}")(h, None)[0]
+            return h
         scanned = nn.scan(_Residual, variable_axes={"params": 0, "balance": 0, "balance_stats": 0},
                           split_rngs={"params": True}, length=self.layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})
@@ -209,41 +214,52 @@ def bench_step(shape, dispatches, gmm, args, out):
                               jnp.bfloat16)
         x = jax.device_put(x, kp.batch_sharding(mesh, rules, ndim=3))
         for name in dispatches:
-            rec = {"bench": "moe_step", "dispatch": name, "gmm": gmm, "devices": devices,
-                   "expert_axis": devices, "layers": shape["layers"],
-                   "tokens_per_device": shape["tokens_per_device"]}
-            if name == "ragged" and devices > 1:
-                continue
-            if split_name(name)[0] == "ragged_all_to_all" and jax.default_backend() == "cpu":
-                emit({**rec, "skipped": "no CPU lowering"}, out)
-                continue
-            try:
-                with_gmm(split_name(name)[0], gmm)
-                rec["step_ms"], rec["first_step_s"] = run_step(model_config(shape, name), shape,
-                                                               mesh, rules, x, args)
-                rec["tokens_per_s"] = batch * shape["seq_len"] / rec["step_ms"] * 1e3
-                results[(devices, name)] = rec["tokens_per_s"]
-                if devices == 2:
-                    best_one = max((v for (d, _), v in results.items() if d == 1), default=None)
-                    if best_one:
-                        rec["speedup_vs_best_1gpu"] = rec["tokens_per_s"] / best_one
-                    if (1, name) in results:
-                        rec["speedup_vs_same_1gpu"] = rec["tokens_per_s"] / results[(1, name)]
-            except Exception as e:  # noqa: BLE001
-                rec["error"] = f"{type(e).__name__}: {e}"[:500]
-            emit(rec, out)
-    ones = [v for (d, _), v in results.items() if d == 1]
-    twos = [v for (d, _), v in results.items() if d == 2]
+            for stack in args.stacks.split(","):
+                rec = {"bench": "moe_step", "dispatch": name, "gmm": gmm, "stack": stack,
+                       "devices": devices, "expert_axis": devices, "layers": shape["layers"],
+                       "tokens_per_device": shape["tokens_per_device"]}
+                if name == "ragged" and devices > 1:
+                    continue
+                if split_name(name)[0] == "ragged_all_to_all" and jax.default_backend() == "cpu":
+                    emit({**rec, "skipped": "no CPU lowering"}, out)
+                    continue
+                try:
+                    with_gmm(split_name(name)[0], gmm)
+                    model = MoEStack(model_config(shape, name), shape["layers"], stack)
+                    profile = (os.path.join(args.profile, f"{name}_{stack}_{devices}gpu")
+                               if args.profile else None)
+                    rec["step_ms"], rec["first_step_s"] = run_step(model, mesh, rules, x, args,
+                                                                   profile)
+                    rec["tokens_per_s"] = batch * shape["seq_len"] / rec["step_ms"] * 1e3
+                    results[(devices, name, stack)] = rec["tokens_per_s"]
+                    if devices == 2:
+                        rec.update(speedups(results, name, stack))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                emit(rec, out)
+    ones = [v for (d, *_), v in results.items() if d == 1]
+    twos = [v for (d, *_), v in results.items() if d == 2]
     if ones and twos:
         emit({"bench": "summary", "best_1gpu_tokens_per_s": max(ones),
               "best_2gpu_tokens_per_s": max(twos), "speedup": max(twos) / max(ones),
               "target": 1.8, "met": max(twos) / max(ones) >= 1.8}, out)
 
 
-def run_step(cfg: ModelConfig, shape, mesh, rules, x, args) -> tuple[float, float]:
+def speedups(results: dict, name: str, stack: str) -> dict:
+    """Two-GPU tokens/s of ``(name, stack)`` over the best one-GPU figure and over its own."""
+    rec = {}
+    best_one = max((v for (d, *_), v in results.items() if d == 1), default=None)
+    if best_one:
+        rec["speedup_vs_best_1gpu"] = results[(2, name, stack)] / best_one
+    if (1, name, stack) in results:
+        rec["speedup_vs_same_1gpu"] = results[(2, name, stack)] / results[(1, name, stack)]
+    return rec
+
+
+def run_step(model: MoEStack, mesh, rules, x, args, profile: str | None = None):
     """Median ms of one SGD step (forward, backward, update) of the MoE stack, and seconds of the
-    first step (compilation included)."""
-    model = MoEStack(cfg, shape["layers"])
+    first step (compilation included); with ``profile``, a ``jax.profiler`` trace of ``iters``
+    more steps goes there."""
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1]))
     shardings = kp.logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)
 
@@ -275,6 +291,11 @@ def run_step(cfg: ModelConfig, shape, mesh, rules, x, args) -> tuple[float, floa
                 params = jitted(params, balance, x)
             jax.block_until_ready(params)
             times.append((time.perf_counter() - t0) / args.iters * 1e3)
+        if profile:
+            with jax.profiler.trace(profile):
+                for _ in range(args.iters):
+                    params = jitted(params, balance, x)
+                jax.block_until_ready(params)
     return statistics.median(times), first_s
 
 
@@ -288,6 +309,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip", default="", help="comma list of grouped_matmul,dispatch,step")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--stacks", default="scan", help="comma list of scan,unrolled (the step's layers)")
+    p.add_argument("--profile", default=None, help="directory for jax.profiler traces of each step")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     shape = dict(TINY if args.tiny else FULL)

@@ -23,7 +23,7 @@ from k3jax.layers.moe import MoEBlock
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, make_dispatch
 from k3jax.ops.routing import route, router_scores
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
-from k3jax.parallel.ep_dispatch import capacity, ep_dispatch, row_segments
+from k3jax.parallel.ep_dispatch import capacity, ep_dispatch
 
 E, D, M, N, K = 8, 16, 24, 64, 2
 EMPTY_EXPERT = 5
@@ -213,24 +213,3 @@ def test_errors_before_tracing():
         with pytest.raises(ConfigError, match="no CPU lowering"):
             make_dispatch(MoEConfig(dispatch="ragged_all_to_all"))
 
-
-@pytest.mark.parametrize("rows, expected", [(8, 8), (16, 8), (64, 8), (10, 3), (5, 100), (800, 100),
-                                            (262144, 131072), (1048576, 131072)])
-def test_row_segments_cover_the_buffer_balanced_load_first(rows, expected):
-    """The pieces a dropless buffer runs in: contiguous, covering every row once, the balanced load
-    first, then two pieces of a sixteenth of it, then at most 8 pieces of one size (the last may be
-    shorter), so that the kernels see few row counts and an overshoot wastes little."""
-    segments = row_segments(rows, expected)
-    assert segments[0] == (0, min(rows, expected))
-    assert [a for a, _ in segments[1:]] == [b for _, b in segments[:-1]]
-    assert segments[-1][1] == rows and all(b > a for a, b in segments)
-    sizes = [b - a for a, b in segments[1:]]
-    fine = -(-expected // 16)
-    assert all(s <= fine for s in sizes[:2])
-    coarse = sizes[2:]
-    assert len(coarse) <= 8 and len(set(coarse[:-1])) <= 1 and all(s <= coarse[0] for s in coarse)
-    assert len({b - a for a, b in segments}) <= 4
-    if rows >= expected + 2 * fine + 8 * 2 * fine:       # the buffer's rows set the coarse size
-        assert len(coarse) == 8
-    elif coarse:
-        assert coarse[0] == 2 * fine

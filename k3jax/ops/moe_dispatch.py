@@ -105,6 +105,19 @@ def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                          f"{experts.w_down.shape}")
 
 
+def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
+               impl: str = "ragged_dot", expected_rows: int | None = None) -> jax.Array:
+    """The experts' GLU MLPs on rows in expert order: ``[R, D]``, ``group_sizes [E]`` -> ``[R, D]``
+    fp32; rows past ``sum(group_sizes)`` are padding and come out zero. ``expected_rows``: see
+    :func:`~k3jax.ops.grouped_matmul.grouped_matmul` (a worst-case buffer's usual load)."""
+    gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, expected_rows)
+    up = grouped_matmul(xs, experts.w_up, group_sizes, impl, expected_rows)
+    h = act(gate, up).astype(xs.dtype)
+    ys = grouped_matmul(h, experts.w_down, group_sizes, impl, expected_rows)
+    valid = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], ys, 0.0)
+
+
 def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                     experts: ExpertWeights, act: GLUSpec, impl: str = "ragged_dot") -> jax.Array:
     """Dropless single-device dispatch: sort the ``N*k`` (token, slot) pairs by expert, run the
@@ -120,10 +133,7 @@ def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     order = jnp.argsort(flat_ids, stable=True)                         # expert-major slot order
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)                               # [N*k, D]
-    gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl)
-    up = grouped_matmul(xs, experts.w_up, group_sizes, impl)
-    h = act(gate, up).astype(x.dtype)
-    ys = grouped_matmul(h, experts.w_down, group_sizes, impl)
+    ys = expert_ffn(xs, group_sizes, experts, act, impl)
     # Inverse permutation by scatter (no second sort); gathering with it keeps the backward a scatter.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
@@ -153,4 +163,5 @@ register_dispatch("ragged", lambda cfg: functools.partial(ragged_dispatch,
 register_dispatch("dense", lambda cfg: dense_dispatch)
 
 __all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "check_dispatch_args", "dense_dispatch",
+           "expert_ffn",
            "make_dispatch", "ragged_dispatch", "register_dispatch", "registered_dispatches"]

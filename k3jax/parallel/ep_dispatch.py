@@ -45,9 +45,9 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config.base import ConfigError
 from k3jax.config.mesh import rule_axes
-from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, check_dispatch_args, ragged_dispatch,
-                                    register_dispatch)
-from k3jax.ops.grouped_matmul import check_grouped_matmul, grouped_matmul
+from k3jax.ops.grouped_matmul import check_grouped_matmul
+from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, check_dispatch_args, expert_ffn,
+                                    ragged_dispatch, register_dispatch)
 
 EP_DISPATCHES = ("all_to_all", "ring", "ragged_all_to_all")
 F32 = jnp.float32
@@ -90,67 +90,15 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 # -- the local experts -----------------------------------------------------------------------------
 
-def row_segments(rows: int, expected: int, max_coarse: int = 8) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of a dropless buffer of ``rows`` rows whose load is ``expected`` rows
-    under balanced routing.
-
-    The first piece covers ``expected`` rows; then two fine pieces of ``expected / 16`` rows (a
-    balanced load's usual overshoot costs at most one of them); then coarse pieces of twice that, or
-    of whatever size keeps them at ``max_coarse``. Pieces after the first run only when real rows
-    reach them: a load over the balanced one by up to an eighth computes at most ``expected / 16``
-    rows past its last real row, a larger one at most one coarse piece; and the grouped-matmul
-    kernels see a handful of row counts, not one per piece (each is a kernel to compile).
-    """
-    first = max(1, min(rows, expected))
-    fine = -(-expected // 16)
-    bounds = [0, first]
-    for _ in range(2):
-        if bounds[-1] < rows:
-            bounds.append(min(rows, bounds[-1] + fine))
-    coarse = max(2 * fine, -(-(rows - bounds[-1]) // max_coarse))
-    while bounds[-1] < rows:
-        bounds.append(min(rows, bounds[-1] + coarse))
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _expert_rows(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
-                 gmm: str) -> jax.Array:
-    """The local experts on ``[R, D]`` rows in expert order (``sizes [E_l]``) -> ``[R, D]`` fp32;
-    rows past ``sum(sizes)`` are padding and come out zero."""
-    gate = grouped_matmul(xs, experts.w_gate, sizes, gmm)
-    up = grouped_matmul(xs, experts.w_up, sizes, gmm)
-    h = act(gate, up).astype(xs.dtype)
-    ys = grouped_matmul(h, experts.w_down, sizes, gmm)
-    valid = jnp.arange(xs.shape[0]) < jnp.sum(sizes)
-    return jnp.where(valid[:, None], ys, 0.0)
-
-
 def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
                  gmm: str, mlp_axes: tuple[str, ...], expected: int | None = None) -> jax.Array:
     """Local experts on rows in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
 
-    A dropless buffer is sized for the worst case (``E_p`` times the balanced load) and the
-    grouped-matmul kernels compute every row they are given, padding included; so the rows run in
-    :func:`row_segments` pieces and a piece past the last real row is skipped (``lax.cond``).
-    With tensor parallelism each device holds a slice of the hidden width, so the down projection
-    is a partial sum (``psum`` over it, outside the conditionals).
+    ``expected``: the balanced load of a dropless buffer sized for the worst case (``E_p`` times
+    it); the grouped matmuls skip the rows past the real ones in pieces. With tensor parallelism
+    each device holds a slice of the hidden width, so the down projection is a partial sum.
     """
-    rows = xs.shape[0]
-    segments = row_segments(rows, expected or rows)
-    ends = jnp.cumsum(sizes)
-    starts, total = ends - sizes, ends[-1]
-    pieces = []
-    for a, b in segments:
-        piece_sizes = (jnp.clip(ends, a, b) - jnp.clip(starts, a, b)).astype(jnp.int32)
-
-        def run(x_piece, piece_sizes=piece_sizes):
-            return _expert_rows(x_piece, piece_sizes, experts, act, gmm)
-
-        def skip(x_piece):
-            return jnp.zeros(x_piece.shape, F32)
-
-        pieces.append(run(xs[a:b]) if a == 0 else jax.lax.cond(total > a, run, skip, xs[a:b]))
-    ys = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+    ys = expert_ffn(xs, sizes, experts, act, gmm, expected)
     return jax.lax.psum(ys, mlp_axes) if mlp_axes else ys
 
 
