@@ -43,6 +43,7 @@ import k3jax.parallel as kp  # noqa: E402
 from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
 from k3jax.config.mesh import MeshConfig  # noqa: E402
 from k3jax.layers.moe import MoEBlock  # noqa: E402
+from k3jax.ops.balancing import update_balance  # noqa: E402
 from k3jax.ops import moe_dispatch  # noqa: E402
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
@@ -94,24 +95,26 @@ def bench_grouped_matmul(shape, impls, args, out):
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
     w = (0.02 * jax.random.normal(jax.random.key(1), (e, k, n))).astype(jnp.bfloat16)
     sizes = jnp.full((e,), rows // e, jnp.int32).at[0].add(rows - e * (rows // e))
+    # "mosaic_tiled" (the tile kernel) needs groups of whole 128-row tiles: true for these shapes
     flops = 2 * rows * k * n
     ref = None
-    for impl in impls:
+    for name in impls:
+        impl, aligned = ("mosaic", True) if name == "mosaic_tiled" else (name, False)
         try:
-            fwd = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, impl))
-            both = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, impl)),
-                                    argnums=(0, 1)))
+            fwd = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, impl, aligned))
+            both = jax.jit(jax.grad(
+                lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, impl, aligned)), argnums=(0, 1)))
             y = fwd(x, w)
             ref = y if ref is None else ref
             ms = timed(fwd, (x, w), args.iters, args.repeats)
             ms_both = timed(both, (x, w), args.iters, args.repeats)
-            emit({"bench": "grouped_matmul", "impl": impl, "m": rows, "k": k, "n": n,
+            emit({"bench": "grouped_matmul", "impl": name, "m": rows, "k": k, "n": n,
                   "groups": e, "fwd_ms": ms, "fwd_bwd_ms": ms_both,
                   "fwd_tflops": flops / ms / 1e9, "fwd_bwd_tflops": 3 * flops / ms_both / 1e9,
                   "rel_rms_vs_first": rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32)),
                   "platform": jax.devices()[0].platform}, out)
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit({"bench": "grouped_matmul", "impl": impl,
+            emit({"bench": "grouped_matmul", "impl": name,
                   "error": f"{type(e).__name__}: {e}"[:500]}, out)
 
 
@@ -268,34 +271,39 @@ def run_step(model: MoEStack, mesh, rules, x, args, profile: str | None = None):
 
     with kp.use_mesh(mesh, rules):
         variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-    params, balance = variables["params"], variables["balance"]
-    p_sh = kp.shardings_of(params)
+    state = (variables["params"], variables["balance"])
+    shardings = jax.tree.map(lambda a: a.sharding, state)
 
-    def step(params, balance, x):
+    def step(state, x):
+        params, balance = state
+
         def loss(p):
             h, mut = model.apply({"params": p, "balance": balance}, x, mutable=["balance_stats"])
             return jnp.mean(jnp.square(h.astype(jnp.float32))), mut
-        grads, _ = jax.grad(loss, has_aux=True)(params)
-        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+        grads, mut = jax.grad(loss, has_aux=True)(params)
+        # Quantile balancing keeps the experts' loads even as in training (without it the SGD
+        # steps drift the router and the load on one device, not the dispatch, sets the time).
+        balance = update_balance(balance, mut["balance_stats"], model.cfg.moe)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), balance
+
+    def run(state, steps):
+        for _ in range(steps):
+            state = jitted(state, x)
+        return jax.block_until_ready(state)
 
     with kp.use_mesh(mesh, rules):
-        jitted = jax.jit(step, out_shardings=p_sh, donate_argnums=(0,))
+        jitted = jax.jit(step, out_shardings=shardings, donate_argnums=(0,))
         t0 = time.perf_counter()
-        params = jitted(params, balance, x)                      # compile
-        jax.block_until_ready(params)
+        state = run(state, 1)                                    # compile
         first_s = time.perf_counter() - t0
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            for _ in range(args.iters):
-                params = jitted(params, balance, x)
-            jax.block_until_ready(params)
+            state = run(state, args.iters)
             times.append((time.perf_counter() - t0) / args.iters * 1e3)
         if profile:
             with jax.profiler.trace(profile):
-                for _ in range(args.iters):
-                    params = jitted(params, balance, x)
-                jax.block_until_ready(params)
+                state = run(state, args.iters)
     return statistics.median(times), first_s
 
 
@@ -304,7 +312,8 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="toy shapes for a CPU smoke test")
     p.add_argument("--dispatches", default="ragged,all_to_all,all_to_all@1.25,ring,ring@1.25,"
                    "ragged_all_to_all", help="NAME or NAME@CAPACITY_FACTOR, comma separated")
-    p.add_argument("--gmm", default="ragged_dot,mosaic", help="grouped matmuls to compare")
+    p.add_argument("--gmm", default="ragged_dot,mosaic", help="grouped matmuls to compare (the "
+                   "grouped_matmul line also takes mosaic_tiled: the tile kernel on aligned rows)")
     p.add_argument("--step-gmm", default="ragged_dot", help="grouped matmul of the step benchmark")
     p.add_argument("--skip", default="", help="comma list of grouped_matmul,dispatch,step")
     p.add_argument("--iters", type=int, default=None)

@@ -32,15 +32,18 @@ one)
     --set data.data_dir="$corpus" --set train.steps=30 --set eval.batches=2 --set eval.tasks= \
     --set eval.every=1000 --set checkpoint.every=1000
   cp /tmp/k3s/metrics.jsonl "$OUT/k3_small_metrics.jsonl" 2>/dev/null ;;
-two)  # the target first (ring step, 1 then 2 GPUs, layers scanned then unrolled), profiled
-  part moe_step 400 python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring \
-    --step-gmm mosaic --stacks scan,unrolled --iters 5 --repeats 3 --profile /tmp/prof \
-    --out "$OUT/moe_step.jsonl"
+two)  # kernel tests, then the target (ring step, 1 then 2 GPUs), profiled, then the parts alone
+  part gmm_gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
+  part moe_step 280 python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring \
+    --step-gmm mosaic --stacks unrolled,scan --iters 5 --repeats 3 --profile /tmp/prof \
+    --out "$OUT/moe.jsonl"
   for d in /tmp/prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 30
   done > "$OUT/moe_profile.jsonl" 2>&1
-  part moe_dispatch 150 python3 benchmarks/moe.py --skip grouped_matmul,step \
-    --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe_dispatch.jsonl" ;;
+  part moe_gmm 50 python3 benchmarks/moe.py --skip dispatch,step --gmm mosaic,mosaic_tiled \
+    --iters 5 --repeats 3 --out "$OUT/moe.jsonl"
+  part moe_dispatch 100 python3 benchmarks/moe.py --skip grouped_matmul,step \
+    --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl" ;;
 *)
   echo "usage: gpu_session.sh one CORPUS_DIR | two" >&2; exit 2 ;;
 esac

@@ -66,18 +66,23 @@ def _mesh(**sizes):
     return kp.make_mesh(cfg), cfg.rules
 
 
-@pytest.mark.parametrize("kind, sizes", [
-    ("all_to_all", dict(data=2, expert=4)),
-    ("ring", dict(data=2, expert=4)),
-    ("all_to_all", dict(data=1, fsdp=2, expert=2, tensor=2)),
-    ("ring", dict(data=1, fsdp=2, expert=2, tensor=2)),
+@pytest.mark.parametrize("kind, sizes, gmm", [
+    ("all_to_all", dict(data=2, expert=4), "ragged_dot"),
+    ("ring", dict(data=2, expert=4), "ragged_dot"),
+    ("all_to_all", dict(data=1, fsdp=2, expert=2, tensor=2), "ragged_dot"),
+    ("ring", dict(data=1, fsdp=2, expert=2, tensor=2), "ragged_dot"),
+    # "mosaic" on CPU: the kernels' tile-aligned row layout, computed by the reference matmul
+    ("ragged", dict(data=8), "mosaic"),
+    ("all_to_all", dict(data=2, expert=4), "mosaic"),
+    ("ring", dict(data=1, fsdp=2, expert=2, tensor=2), "mosaic"),
 ])
-def test_dropless_dispatch_equals_single_device(problem, reference, kind, sizes):
+def test_dropless_dispatch_equals_single_device(problem, reference, kind, sizes, gmm):
     mesh, rules = _mesh(**sizes)
     ids = problem[1]
     assert not np.any(np.asarray(ids) == EMPTY_EXPERT)          # an expert with no token
     with kp.use_mesh(mesh, rules):
-        y, grads = _value_and_grads(make_dispatch(MoEConfig(dispatch=kind)), problem)
+        y, grads = _value_and_grads(
+            make_dispatch(MoEConfig(dispatch=kind, grouped_matmul=gmm)), problem)
     y_ref, grads_ref = reference
     assert rel_rms(y_ref, y) <= FP32_TOL
     for name, g_ref, g in zip(("x", "weights", "expert weights"), grads_ref, grads):
@@ -143,13 +148,14 @@ def _kept_slots(ids: np.ndarray, kind: str, token_shards: int, e_shards: int, ca
     return keep
 
 
-@pytest.mark.parametrize("kind", ["all_to_all", "ring"])
-def test_capacity_drops_exactly_the_overflow(problem, kind):
+@pytest.mark.parametrize("kind, gmm", [("all_to_all", "ragged_dot"), ("ring", "ragged_dot"),
+                                       ("ring", "mosaic")])
+def test_capacity_drops_exactly_the_overflow(problem, kind, gmm):
     x, ids, w, ew, _ = problem
     mesh, rules = _mesh(data=2, expert=4)
     with kp.use_mesh(mesh, rules):
         y, dropped = jax.jit(lambda x, w: ep_dispatch(kind, x, ids, w, ew, ACT,
-                                                      capacity_factor=1.0))(x, w)
+                                                      capacity_factor=1.0, gmm=gmm))(x, w)
     cap = capacity(kind, (N // 8) * K, 4, 1.0)
     keep = _kept_slots(np.asarray(ids), kind, token_shards=8, e_shards=4, cap=cap)
     assert int(dropped) == int((~keep).sum()) > 0               # the skew overflows capacity 1.0

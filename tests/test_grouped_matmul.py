@@ -1,8 +1,8 @@
-"""Grouped matmul's row pieces (the Mosaic path's way past a worst-case buffer's padding), on CPU.
+"""The grouped matmul's tile-aligned path on CPU: the row layout the dispatches build, the Mosaic
+GPU tile kernel (through the interpreter) and its custom VJP, each against ``jax.lax.ragged_dot``.
 
-``segmented_gmm`` is exercised with reference kernels built on ``jax.lax.ragged_dot`` that, like
-jax's Mosaic kernel, leave rows past the groups unspecified (here: NaN), so the test sees whether
-padding leaks into values or gradients and whether a piece past the real rows was skipped.
+The VJP test uses the tile kernel in interpreter mode, whose rows in padding tiles are left
+unwritten (unspecified), so it also checks that nothing from them leaks into values or gradients.
 """
 
 from __future__ import annotations
@@ -12,84 +12,114 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.grouped_matmul import GMMKernels, row_segments, segmented_gmm
-from k3jax.ops.tolerance import FP32_TOL, rel_rms
+from k3jax.ops.grouped_matmul import GMMKernels, kernel_gmm, tile_groups
+from k3jax.ops.moe_dispatch import aligned_rows, group_rows
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
+from pallas_kernels import tiled_gmm as tiled
 
-G, KD, ND, ROWS, EXPECTED = 4, 8, 12, 96, 40
-
-
-def _nan_padding(y, sizes):
-    real = jnp.arange(y.shape[0]) < jnp.sum(sizes)
-    return jnp.where(real[:, None], y, jnp.nan).astype(y.dtype)
+BM = tiled.BLOCK_M
 
 
-def _forward(x, w, sizes, transpose_rhs):
-    w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
-    return _nan_padding(jax.lax.ragged_dot(x, w, sizes), sizes)
+def _weight_grad_reference(x, g, sizes):
+    w0 = jnp.zeros((sizes.shape[0], x.shape[1], g.shape[1]), jnp.float32)
+    return jax.vjp(lambda w: jax.lax.ragged_dot(x.astype(jnp.float32), w, sizes), w0)[1](
+        g.astype(jnp.float32))[0]
 
 
-def _weight_grad(x, g, sizes):
-    w0 = jnp.zeros((sizes.shape[0], x.shape[1], g.shape[1]), x.dtype)
-    return jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes), w0)[1](g)[0]
+def _interpreted_tile_kernel(x, w, sizes, transpose_rhs):
+    return tiled.tiled_gmm(x, w, tile_groups(sizes, x.shape[0]), transpose_rhs=transpose_rhs,
+                           interpret=True)
 
 
-NAN_PADDING_KERNELS = GMMKernels(_forward, _weight_grad)
+INTERPRETED = GMMKernels(_interpreted_tile_kernel, _weight_grad_reference)
 
 
-@pytest.mark.parametrize("rows, expected", [(8, 8), (16, 8), (64, 8), (10, 3), (5, 100), (800, 100),
-                                            (262144, 131072), (1048576, 131072)])
-def test_row_segments_cover_the_buffer_balanced_load_first(rows, expected):
-    """The pieces a worst-case buffer runs in: contiguous, covering every row once, the usual load
-    first, then two pieces of a sixteenth of it, then at most 8 pieces of one size (the last may be
-    shorter), so that the kernels see few row counts and an overshoot wastes little."""
-    segments = row_segments(rows, expected)
-    assert segments[0] == (0, min(rows, expected))
-    assert [a for a, _ in segments[1:]] == [b for _, b in segments[:-1]]
-    assert segments[-1][1] == rows and all(b > a for a, b in segments)
-    sizes = [b - a for a, b in segments[1:]]
-    fine = -(-expected // 16)
-    assert all(s <= fine for s in sizes[:2])
-    coarse = sizes[2:]
-    assert len(coarse) <= 8 and len(set(coarse[:-1])) <= 1 and all(s <= coarse[0] for s in coarse)
-    assert len({b - a for a, b in segments}) <= 4
-    if rows >= expected + 2 * fine + 8 * 2 * fine:       # the buffer's rows set the coarse size
-        assert len(coarse) == 8
-    elif coarse:
-        assert coarse[0] == 2 * fine
+@pytest.mark.parametrize("align, keep", [(1, None), (4, None), (4, 9), (8, 30)])
+def test_group_rows_lays_groups_out_aligned_in_order(align, keep):
+    """Positions against a NumPy model: groups in order, each starting on a multiple of ``align``,
+    slots of a group in their original order, ids past the groups and slots past ``keep`` out of
+    range; sizes are the kept counts rounded up to ``align``."""
+    rng = np.random.default_rng(align)
+    groups, slots = 5, 40
+    ids = rng.integers(0, groups + 2, slots)                      # ids >= groups live elsewhere
+    ids[ids == 3] = 0                                            # group 3 is empty
+    rows = aligned_rows(slots if keep is None else keep, groups, align)
+    pos, sizes = group_rows(jnp.asarray(ids, jnp.int32), groups, rows, align, keep)
+    expect_pos, expect_sizes, start, taken = np.full(slots, rows), [], 0, 0
+    for g in range(groups):
+        members = [s for s in range(slots) if ids[s] == g]
+        members = members[:max(0, (keep if keep is not None else slots) - taken)]
+        taken += len(members)
+        expect_pos[members] = start + np.arange(len(members))
+        size = -(-len(members) // align) * align
+        expect_sizes.append(size)
+        start += size
+    np.testing.assert_array_equal(np.asarray(pos), expect_pos)
+    np.testing.assert_array_equal(np.asarray(sizes), expect_sizes)
+    assert start <= rows
 
 
-@pytest.mark.parametrize("real", [0, 17, EXPECTED, EXPECTED + 2, EXPECTED + 7, 70, ROWS])
-def test_segmented_gmm_equals_ragged_dot_on_real_rows(real):
-    """Values and both gradients equal ``ragged_dot``'s on the real rows (SPEC 10, fp32: FP32_TOL),
-    padding rows give exactly zero input gradient, nothing non-finite leaks from the kernels'
-    unspecified padding, and a piece that starts past the real rows is skipped (its rows are the
-    skip branch's zeros, not the kernel's NaN)."""
-    segments = tuple(row_segments(ROWS, EXPECTED))
-    assert len(segments) > 3
-    rng = np.random.default_rng(real)
-    cuts = np.sort(rng.integers(0, real + 1, G - 1))
-    sizes = jnp.asarray(np.diff(np.concatenate([[0], cuts, [real]])), jnp.int32)
-    kx, kw, kg = jax.random.split(jax.random.key(real), 3)
-    x = jax.random.normal(kx, (ROWS, KD), jnp.float32)
-    w = jax.random.normal(kw, (G, KD, ND), jnp.float32)
-    cot = jax.random.normal(kg, (ROWS, ND), jnp.float32)
-    mask = (jnp.arange(ROWS) < real)[:, None]
+def test_tile_groups_marks_padding_tiles():
+    sizes = jnp.array([2 * BM, 0, BM, 0], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(tile_groups(sizes, 5 * BM)), [0, 0, 2, -1, -1])
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_tile_kernel_matches_reference(transpose_rhs):
+    """bf16 operands, fp32 accumulation: the interpreted kernel equals the reference on every tile
+    that has a group (SPEC 10 bf16 output tolerance)."""
+    k, n, groups = 128, 256, 3
+    tile_group = jnp.array([0, 2, 2, -1, 1], jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (BM * 5, k)).astype(jnp.bfloat16)
+    shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    w = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
+    out = tiled.tiled_gmm(x, w, tile_group, transpose_rhs=transpose_rhs, interpret=True)
+    ref = tiled.tiled_gmm_reference(x, w, tile_group, transpose_rhs=transpose_rhs)
+    real = np.repeat(np.asarray(tile_group) >= 0, BM)
+    assert rel_rms(np.asarray(ref, np.float32)[real], np.asarray(out, np.float32)[real]) \
+        <= BF16_OUT_TOL
+
+
+def test_tile_kernel_rejects_bad_shapes():
+    x = jnp.zeros((BM, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tile_group must be"):
+        tiled.tiled_gmm(x, jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="multiples of"):
+        tiled.tiled_gmm(x, jnp.zeros((2, 128, 100), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="has K="):
+        tiled.tiled_gmm(x, jnp.zeros((2, 64, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+
+
+def test_tile_kernel_custom_vjp_equals_ragged_dot():
+    """Values and both gradients on aligned rows (an empty group, a zero-padded group, two padding
+    tiles past the groups) equal ``ragged_dot``'s within SPEC 10's bf16 tolerances; the padding
+    rows get exactly zero input gradient and nothing non-finite leaks from unwritten tiles."""
+    k, n = 128, 128
+    real = np.array([BM + 5, 0, 2 * BM])                     # group 0 padded to 2 tiles
+    sizes = jnp.asarray(-(-real // BM) * BM, jnp.int32)
+    rows = int(sizes.sum()) + 2 * BM
+    present = np.zeros(rows, bool)
+    present[:real[0]] = True
+    present[2 * BM: 4 * BM] = True
+    kx, kw, kc = jax.random.split(jax.random.key(2), 3)
+    x = jnp.where(present[:, None], jax.random.normal(kx, (rows, k)), 0).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (3, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, (rows, n))
+    mask = jnp.asarray(present)[:, None]
 
     def loss(f):
         return lambda x, w: jnp.sum(jnp.where(mask, f(x, w), 0.0) * cot)
 
-    ours = lambda x, w: segmented_gmm(x, w, sizes, segments, NAN_PADDING_KERNELS)  # noqa: E731
-    ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
-    y = ours(x, w)
-    assert rel_rms(np.asarray(ref(x, w))[:real], np.asarray(y)[:real]) <= FP32_TOL
-    skipped = [a for a, _ in segments if a >= max(real, 1)]
-    for a in skipped:
-        assert np.all(np.asarray(y)[a:] == 0.0), f"piece at row {a} ran past {real} real rows"
+    ours = lambda x, w: kernel_gmm(x, w, sizes, INTERPRETED)  # noqa: E731
+    ref = lambda x, w: jax.lax.ragged_dot(  # noqa: E731
+        x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    y, y_ref = np.asarray(ours(x, w)), np.asarray(ref(x, w))
+    assert rel_rms(y_ref[present], y[present]) <= BF16_OUT_TOL
     dx, dw = jax.grad(loss(ours), argnums=(0, 1))(x, w)
     rx, rw = jax.grad(loss(ref), argnums=(0, 1))(x, w)
-    assert np.all(np.isfinite(dx)) and np.all(np.isfinite(dw))
-    assert np.all(np.asarray(dx)[real:] == 0.0)
-    if real:
-        assert rel_rms(rx, dx) <= FP32_TOL and rel_rms(rw, dw) <= FP32_TOL
-    else:
-        assert np.all(np.asarray(dw) == 0.0)
+    assert np.all(np.isfinite(np.asarray(dx, np.float32)))
+    assert np.all(np.isfinite(np.asarray(dw, np.float32)))
+    assert np.all(np.asarray(dx, np.float32)[int(sizes.sum()):] == 0.0)
+    dx = np.asarray(dx, np.float32)
+    assert rel_rms(np.asarray(rx)[present], dx[present]) <= BF16_GRAD_QKV_TOL
+    assert rel_rms(rw, np.asarray(dw, np.float32)) <= BF16_GRAD_QKV_TOL

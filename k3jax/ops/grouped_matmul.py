@@ -3,17 +3,19 @@
 Two implementations behind one call, chosen by name:
 
 - ``"ragged_dot"`` (reference, every backend): ``jax.lax.ragged_dot`` with fp32 accumulation;
-- ``"mosaic"`` (Hopper GPUs): jax's Mosaic GPU kernels from ``jax.experimental.pallas.ops.gpu``
-  (``ragged_dot_mgpu`` forward and input gradient, ``transposed_ragged_dot_mgpu`` for the weight
-  gradient) under a ``custom_vjp``. It is fail-closed (the rule of jla's ``impl="auto"``): shapes,
-  dtypes or platforms the kernels do not cover take the reference path.
+- ``"mosaic"`` (Hopper GPUs): Mosaic GPU kernels under a ``custom_vjp``; fail-closed (the rule of
+  jla's ``impl="auto"``): shapes, dtypes or platforms the kernels do not cover take the reference.
 
 Rows past ``sum(group_sizes)`` are padding: their output is unspecified for ``"mosaic"`` (zero for
-``"ragged_dot"``), so callers mask them. jax's forward kernel runs its full WGMMA loop on every row
-tile, padding included, which doubles the work of a dropless expert-parallel buffer (sized for the
-worst case, twice the balanced load on two devices); given ``expected_rows`` (the balanced load),
-the Mosaic path runs the rows in :func:`row_segments` pieces and skips the pieces past the last
-real row. The weight gradient's kernel walks each group's own rows, so it runs once, unsplit.
+``"ragged_dot"``), so callers mask them.
+
+**Tile-aligned rows.** An expert-parallel dropless buffer is sized for the worst case (``E_p``
+times the balanced load), and jax's ``ragged_dot_mgpu`` kernel runs its full WGMMA loop on every
+row tile of the buffer, padding included. So the dispatches lay rows out with every group starting
+on a multiple of :func:`row_alignment` (zero rows in between) and say so (``aligned=True``); the
+forward and input gradient then run :mod:`pallas_kernels.tiled_gmm`, which skips the tiles past the
+last group, and the buffer costs its real rows. Unaligned rows take jax's kernels. The weight
+gradient is jax's ``transposed_ragged_dot_mgpu`` either way: it walks each group's own rows.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import tiled_gmm as tiled
+
 GROUPED_MATMULS = ("ragged_dot", "mosaic")
 
-# Tile sizes of the Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
+# Tile sizes of jax's Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _STAGES, _GRID_N = 128, 128, 64, 4, 1
 _T_BLOCK_M, _T_BLOCK_N, _T_BLOCK_K = 64, 128, 64
 
@@ -36,58 +40,22 @@ def check_grouped_matmul(name: str) -> None:
         raise ValueError(f"grouped_matmul={name!r} is not known; expected one of {GROUPED_MATMULS}")
 
 
+def row_alignment(impl: str) -> int:
+    """Rows each group should start on a multiple of, for ``impl`` to skip padding (1: any)."""
+    check_grouped_matmul(impl)
+    return tiled.BLOCK_M if impl == "mosaic" else 1
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   impl: str = "ragged_dot", expected_rows: int | None = None) -> jax.Array:
+                   impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """``y[r] = x[r] @ w[g(r)]`` for rows in group order. ``[M, K]``, ``[G, K, N]``, ``[G]`` int32
-    -> ``[M, N]`` fp32. ``expected_rows``: the usual number of real rows, when ``M`` is a
-    worst-case size (the Mosaic path then skips row pieces past the real rows)."""
+    -> ``[M, N]`` fp32. ``aligned``: every group size is a multiple of ``row_alignment(impl)`` and
+    ``M`` is too (the caller's promise; padding rows inside a group must be zero rows)."""
     check_grouped_matmul(impl)
     if impl == "mosaic" and _mosaic_covers(x, w):
-        m = x.shape[0]
-        segments = tuple(row_segments(m, expected_rows)) if expected_rows else ((0, m),)
-        return segmented_gmm(x, w, group_sizes.astype(jnp.int32), segments, MOSAIC_KERNELS)
+        kernels = TILED_KERNELS if aligned and x.shape[0] % tiled.BLOCK_M == 0 else RAGGED_KERNELS
+        return kernel_gmm(x, w, group_sizes.astype(jnp.int32), kernels)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-
-
-def row_segments(rows: int, expected: int, max_coarse: int = 8) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of a buffer of ``rows`` rows whose real load is usually ``expected``.
-
-    The first piece covers ``expected`` rows; then two fine pieces of ``expected / 16`` rows (a
-    balanced load's usual overshoot costs at most one of them); then coarse pieces of twice that,
-    or of whatever size keeps them at ``max_coarse``. Pieces after the first run only when real rows
-    reach them: a load over ``expected`` by up to an eighth computes at most ``expected / 16`` rows
-    past its last real row, a larger one at most one coarse piece; and the kernels see a handful of
-    row counts, not one per piece (each is a kernel to compile).
-    """
-    first = max(1, min(rows, expected))
-    fine = -(-expected // 16)
-    bounds = [0, first]
-    for _ in range(2):
-        if bounds[-1] < rows:
-            bounds.append(min(rows, bounds[-1] + fine))
-    coarse = max(2 * fine, -(-(rows - bounds[-1]) // max_coarse))
-    while bounds[-1] < rows:
-        bounds.append(min(rows, bounds[-1] + coarse))
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _in_pieces(kernel, x: jax.Array, group_sizes: jax.Array, segments, cols: int) -> jax.Array:
-    """``kernel(x_piece, piece_group_sizes) -> [rows, cols]`` on each ``[start, end)`` segment of
-    ``x``'s rows, concatenated; a segment past the last real row is skipped (zeros)."""
-    if len(segments) == 1:
-        return kernel(x, group_sizes)
-    ends = jnp.cumsum(group_sizes)
-    starts, total = ends - group_sizes, ends[-1]
-    outs = []
-    for (a, b), piece in zip(segments, jax.lax.split(x, [b - a for a, b in segments])):
-        sizes = (jnp.clip(ends, a, b) - jnp.clip(starts, a, b)).astype(jnp.int32)
-        if a == 0:
-            outs.append(kernel(piece, sizes))
-        else:
-            outs.append(jax.lax.cond(total > a, kernel,
-                                     lambda p, s: jnp.zeros((p.shape[0], cols), p.dtype),
-                                     piece, sizes))
-    return jnp.concatenate(outs)
 
 
 def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
@@ -103,8 +71,17 @@ def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
             and k % 128 == 0 and n % 128 == 0)
 
 
+def tile_groups(group_sizes: jax.Array, rows: int, block: int = tiled.BLOCK_M) -> jax.Array:
+    """Group of each ``block``-row tile of tile-aligned rows, ``-1`` past the last group:
+    ``[G]`` -> ``[rows / block]`` int32."""
+    ends = jnp.cumsum(group_sizes)
+    starts = jnp.arange(rows // block, dtype=ends.dtype) * block
+    group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+    return jnp.where(starts < ends[-1], group, -1)
+
+
 @functools.lru_cache(maxsize=1)
-def _kernels():
+def _jax_kernels():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
@@ -112,22 +89,27 @@ def _kernels():
 # jit: every MoE layer calls the kernels with the same shapes, and a jitted call is lowered once
 # and shared by all call sites (the Mosaic lowering otherwise repeats per layer and per direction).
 @functools.partial(jax.jit, static_argnames=("transpose_rhs",))
-def _fwd_kernel(x, w, group_sizes, transpose_rhs=False):
-    ragged, _ = _kernels()
+def _ragged_kernel(x, w, group_sizes, transpose_rhs=False):
+    ragged, _ = _jax_kernels()
     return ragged(x, w, group_sizes=group_sizes, block_m=_BLOCK_M, block_n=_BLOCK_N,
                   block_k=_BLOCK_K, max_concurrent_steps=_STAGES, grid_block_n=_GRID_N,
                   transpose_rhs=transpose_rhs)
 
 
+@functools.partial(jax.jit, static_argnames=("transpose_rhs",))
+def _tiled_kernel(x, w, group_sizes, transpose_rhs=False):
+    return tiled.tiled_gmm(x, w, tile_groups(group_sizes, x.shape[0]), transpose_rhs=transpose_rhs)
+
+
 @jax.jit
 def _weight_grad_kernel(x, g, group_sizes):
-    _, transposed = _kernels()
+    _, transposed = _jax_kernels()
     return transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M, block_n=_T_BLOCK_N,
                       block_k=_T_BLOCK_K, max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
 
 
 class GMMKernels(NamedTuple):
-    """The two kernels a :func:`segmented_gmm` is built from.
+    """The two kernels a :func:`kernel_gmm` is built from.
 
     ``forward(x [M, K], w [G, K, N], sizes [G], transpose_rhs) -> [M, N]`` in ``x.dtype`` (with
     ``transpose_rhs``: ``w`` is ``[G, N, K]``); rows past ``sum(sizes)`` may hold anything.
@@ -137,30 +119,25 @@ class GMMKernels(NamedTuple):
     weight_grad: Callable
 
 
-MOSAIC_KERNELS = GMMKernels(_fwd_kernel, _weight_grad_kernel)
+RAGGED_KERNELS = GMMKernels(_ragged_kernel, _weight_grad_kernel)
+TILED_KERNELS = GMMKernels(_tiled_kernel, _weight_grad_kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def segmented_gmm(x, w, group_sizes, segments, kernels: GMMKernels):
-    """:func:`grouped_matmul` from ``kernels``, the rows run in ``segments`` (``[start, end)``
-    pieces, the first from row 0), skipping pieces past ``sum(group_sizes)`` -> ``[M, N]`` fp32."""
-    def forward(piece, sizes):
-        return kernels.forward(piece, w, sizes, False)
-    return _in_pieces(forward, x, group_sizes, segments, w.shape[2]).astype(jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def kernel_gmm(x, w, group_sizes, kernels: GMMKernels):
+    """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` fp32 (padding rows unspecified)."""
+    return kernels.forward(x, w, group_sizes, False).astype(jnp.float32)
 
 
-def _segmented_fwd(x, w, group_sizes, segments, kernels):
-    return segmented_gmm(x, w, group_sizes, segments, kernels), (x, w, group_sizes)
+def _kernel_gmm_fwd(x, w, group_sizes, kernels):
+    return kernel_gmm(x, w, group_sizes, kernels), (x, w, group_sizes)
 
 
-def _segmented_bwd(segments, kernels, res, g):
+def _kernel_gmm_bwd(kernels, res, g):
     x, w, group_sizes = res
     g = g.astype(x.dtype)
-
     # dx = g @ w[g]^T (rows in group order); dw[g] = x_g^T g_g (the ragged axis is contracted).
-    def input_grad(piece, sizes):
-        return kernels.forward(piece, w, sizes, True)
-    dx = _in_pieces(input_grad, g, group_sizes, segments, x.shape[1])
+    dx = kernels.forward(g, w, group_sizes, True)
     dw = kernels.weight_grad(x, g, group_sizes)
     # Padding rows past the groups carry no gradient (their forward output is masked by callers).
     rows = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
@@ -168,7 +145,7 @@ def _segmented_bwd(segments, kernels, res, g):
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
-segmented_gmm.defvjp(_segmented_fwd, _segmented_bwd)
+kernel_gmm.defvjp(_kernel_gmm_fwd, _kernel_gmm_bwd)
 
-__all__ = ["GMMKernels", "GROUPED_MATMULS", "MOSAIC_KERNELS", "check_grouped_matmul",
-           "grouped_matmul", "row_segments", "segmented_gmm"]
+__all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS",
+           "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "tile_groups"]

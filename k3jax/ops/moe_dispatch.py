@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.activations import glu
-from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment
 
 
 class ExpertWeights(NamedTuple):
@@ -105,39 +105,88 @@ def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                          f"{experts.w_down.shape}")
 
 
+def aligned_rows(slots: int, num_groups: int, align: int) -> int:
+    """Rows of a buffer that holds ``slots`` rows in ``num_groups`` groups, each group starting on a
+    multiple of ``align`` (the rounding costs at most ``align - 1`` rows per group)."""
+    return -(-(slots + num_groups * (align - 1)) // align) * align
+
+
+def group_rows(group_ids: jax.Array, num_groups: int, rows: int, align: int = 1,
+               keep: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Where each slot goes in a buffer of ``rows`` rows that holds the groups in order, each
+    starting on a multiple of ``align``: ``group_ids [S]`` -> ``(position [S] int32, sizes [G])``.
+
+    Ids ``>= num_groups`` belong elsewhere, and with ``keep`` only the first ``keep`` slots in group
+    order stay: the others get position ``rows`` (out of range: scatters with ``mode="drop"`` skip
+    them, gathers with ``mode="fill"`` read zero). ``sizes`` are the groups' row counts rounded up
+    to ``align`` (the buffer's layout for :func:`~k3jax.ops.grouped_matmul.grouped_matmul`).
+    """
+    s = group_ids.shape[0]
+    order = jnp.argsort(group_ids, stable=True)
+    sorted_ids = jnp.take(group_ids, order)
+    counts = jnp.bincount(group_ids, length=num_groups).astype(jnp.int32)
+    if keep is not None:                          # the capacity cuts the last groups
+        ends = jnp.minimum(jnp.cumsum(counts), keep)
+        counts = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    sizes = -(-counts // align) * align
+    first, aligned_first = jnp.cumsum(counts) - counts, jnp.cumsum(sizes) - sizes
+    g = jnp.minimum(sorted_ids, num_groups - 1)
+    rank = jnp.arange(s, dtype=jnp.int32)
+    here = (sorted_ids < num_groups) & (rank < first[g] + counts[g])
+    sorted_pos = jnp.where(here, aligned_first[g] + rank - first[g], rows).astype(jnp.int32)
+    return jnp.zeros((s,), jnp.int32).at[order].set(sorted_pos, unique_indices=True), sizes
+
+
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
-               impl: str = "ragged_dot", expected_rows: int | None = None) -> jax.Array:
+               impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """The experts' GLU MLPs on rows in expert order: ``[R, D]``, ``group_sizes [E]`` -> ``[R, D]``
-    fp32; rows past ``sum(group_sizes)`` are padding and come out zero. ``expected_rows``: see
-    :func:`~k3jax.ops.grouped_matmul.grouped_matmul` (a worst-case buffer's usual load)."""
-    gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, expected_rows)
-    up = grouped_matmul(xs, experts.w_up, group_sizes, impl, expected_rows)
+    fp32; rows past ``sum(group_sizes)`` are padding and come out zero. ``aligned``: the rows are
+    laid out by :func:`group_rows` with ``align=row_alignment(impl)`` (padding rows inside a group
+    are zero rows, so their outputs are zero)."""
+    gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, aligned)
+    up = grouped_matmul(xs, experts.w_up, group_sizes, impl, aligned)
     h = act(gate, up).astype(xs.dtype)
-    ys = grouped_matmul(h, experts.w_down, group_sizes, impl, expected_rows)
+    ys = grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
     valid = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], ys, 0.0)
 
 
+def experts_on_slots(x: jax.Array, slot_rows: jax.Array, group_ids: jax.Array, num_groups: int,
+                     experts: ExpertWeights, act: GLUSpec, impl: str, keep: int | None = None,
+                     out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """The experts on slots: slot ``s`` reads row ``slot_rows[s]`` of ``x [T, D]`` and goes to group
+    ``group_ids[s]`` (``>= num_groups``: not here) -> ``(outputs [S, D] fp32 in slot order, zero for
+    slots not here or past ``keep``; the number of slots run)``. The slots are laid out for
+    ``impl`` (:func:`group_rows`), gathered straight from ``x``, run through :func:`expert_ffn` and
+    read back in ``out_dtype`` (a narrower one halves the bytes of that read when many slots are
+    not here, as in the ring dispatch)."""
+    align = row_alignment(impl)
+    slots = group_ids.shape[0] if keep is None else min(keep, group_ids.shape[0])
+    rows = aligned_rows(slots, num_groups, align)
+    pos, sizes = group_rows(group_ids, num_groups, rows, align, keep)
+    row_src = jnp.full((rows,), x.shape[0], jnp.int32).at[pos].set(
+        slot_rows.astype(jnp.int32), mode="drop", unique_indices=True)
+    buf = jnp.take(x, row_src, axis=0, mode="fill", fill_value=0)   # zero rows between groups
+    ys = expert_ffn(buf, sizes, experts, act, impl, aligned=align > 1)
+    return (jnp.take(ys.astype(out_dtype), pos, axis=0, mode="fill", fill_value=0),
+            jnp.sum(pos < rows))
+
+
 def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                     experts: ExpertWeights, act: GLUSpec, impl: str = "ragged_dot") -> jax.Array:
-    """Dropless single-device dispatch: sort the ``N*k`` (token, slot) pairs by expert, run the
+    """Dropless single-device dispatch: lay the ``N*k`` (token, slot) pairs out by expert, run the
     experts as grouped matmuls (:func:`~k3jax.ops.grouped_matmul.grouped_matmul`, ``impl``
-    ``"ragged_dot"`` or the Hopper ``"mosaic"`` kernels), unsort, combine in fp32.
+    ``"ragged_dot"`` or the Hopper ``"mosaic"`` kernels), read them back, combine in fp32.
 
     Experts that receive no token are empty groups (their weights get a zero gradient).
     """
     check_dispatch_args(x, expert_ids, weights, experts)
     n, k = expert_ids.shape
     num_experts = experts.w_gate.shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)                         # expert-major slot order
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)                               # [N*k, D]
-    ys = expert_ffn(xs, group_sizes, experts, act, impl)
-    # Inverse permutation by scatter (no second sort); gathering with it keeps the backward a scatter.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-    y = jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
+    slot_rows = jnp.arange(n * k) // k                                  # slot s is token s // k's
+    y, _ = experts_on_slots(x, slot_rows, expert_ids.reshape(-1), num_experts, experts, act, impl)
+    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, -1),
+                      weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -162,6 +211,6 @@ register_dispatch("ragged", lambda cfg: functools.partial(ragged_dispatch,
                                                           impl=cfg.grouped_matmul))
 register_dispatch("dense", lambda cfg: dense_dispatch)
 
-__all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "check_dispatch_args", "dense_dispatch",
-           "expert_ffn",
+__all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args",
+           "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows",
            "make_dispatch", "ragged_dispatch", "register_dispatch", "registered_dispatches"]

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config.base import ConfigError
 from k3jax.config.mesh import rule_axes
 from k3jax.ops.grouped_matmul import check_grouped_matmul
-from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, check_dispatch_args, expert_ffn,
+from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, check_dispatch_args, experts_on_slots,
                                     ragged_dispatch, register_dispatch)
 
 EP_DISPATCHES = ("all_to_all", "ring", "ragged_all_to_all")
@@ -90,25 +90,12 @@ def current_layout(num_experts: int, num_tokens: int) -> EPLayout | None:
 
 # -- the local experts -----------------------------------------------------------------------------
 
-def _grouped_ffn(xs: jax.Array, sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
-                 gmm: str, mlp_axes: tuple[str, ...], expected: int | None = None) -> jax.Array:
-    """Local experts on rows in expert order: ``[R, D]``, ``sizes [E_l]`` -> ``[R, D]`` fp32.
-
-    ``expected``: the balanced load of a dropless buffer sized for the worst case (``E_p`` times
-    it); the grouped matmuls skip the rows past the real ones in pieces. With tensor parallelism
-    each device holds a slice of the hidden width, so the down projection is a partial sum.
-    """
-    ys = expert_ffn(xs, sizes, experts, act, gmm, expected)
+def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, gmm, mlp_axes):
+    """Rows in any order with local expert ids (``e_local``: padding) -> outputs ``[R, D]`` fp32,
+    same order. With tensor parallelism each device holds a slice of the hidden width, so the down
+    projection is a partial sum (``psum`` over it)."""
+    ys, _ = experts_on_slots(xs, jnp.arange(xs.shape[0]), local_ids, e_local, experts, act, gmm)
     return jax.lax.psum(ys, mlp_axes) if mlp_axes else ys
-
-
-def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, gmm, mlp_axes,
-               expected: int | None = None):
-    """Rows in any order with local expert ids (``e_local``: padding) -> outputs, same order."""
-    order = jnp.argsort(local_ids, stable=True)                     # padding sorts last
-    sizes = jnp.bincount(local_ids, length=e_local).astype(jnp.int32)
-    ys = _grouped_ffn(jnp.take(xs, order, axis=0), sizes, experts, act, gmm, mlp_axes, expected)
-    return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
 
 
 def _sort_slots(expert_ids: jax.Array, e_local: int, e_shards: int):
@@ -150,7 +137,7 @@ def _all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gm
     recv_x = jax.lax.all_to_all(send_x.reshape(e_shards, cap, d), ax, 0, 0, tiled=True)
     recv_id = jax.lax.all_to_all(send_id.reshape(e_shards, cap), ax, 0, 0, tiled=True)
     ys = _run_local(recv_x.reshape(-1, d), recv_id.reshape(-1), e_local, experts, act, gmm,
-                    lay.mlp_axes, expected=n * k).astype(x.dtype)
+                    lay.mlp_axes).astype(x.dtype)
     back = jax.lax.all_to_all(ys.reshape(e_shards, cap, d), ax, 0, 0, tiled=True)
     y_sorted = jnp.take(back.reshape(-1, d), pos, axis=0, mode="fill", fill_value=0)
     dropped = jnp.sum(~keep).astype(jnp.int32)
@@ -166,16 +153,15 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
     me = jax.lax.axis_index(ax)
     flat = ids_all.reshape(-1)
     local = jnp.where(flat // e_local == me, flat - me * e_local, e_local)
-    order = jnp.argsort(local, stable=True)[:cap]                   # this device's slots first
-    counts = jnp.bincount(local, length=e_local).astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(counts), cap)                     # capacity cuts the last groups
-    sizes = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    xs = jnp.take(x_all, order // k, axis=0)
-    ys = _grouped_ffn(xs, sizes, experts, act, gmm, lay.mlp_axes, expected=n * k)  # [cap, D] fp32
-    y_slots = jnp.zeros((flat.shape[0], x.shape[1]), F32).at[order].set(ys, unique_indices=True)
-    partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32))
+    slot_rows = jnp.arange(flat.shape[0]) // k                      # slot s is token s // k's
+    y_slots, kept = experts_on_slots(x_all, slot_rows, local, e_local, experts, act, gmm, keep=cap,
+                                     out_dtype=x.dtype)
+    if lay.mlp_axes:
+        y_slots = jax.lax.psum(y_slots, lay.mlp_axes)
+    partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32),
+                         preferred_element_type=F32)
     y = jax.lax.psum_scatter(partial, ax, scatter_dimension=0, tiled=True)
-    dropped = (jnp.sum(counts) - ends[-1]).astype(jnp.int32)
+    dropped = (jnp.sum(local < e_local) - kept).astype(jnp.int32)
     return y.astype(x.dtype), jax.lax.psum(dropped, lay.token_axes)
 
 
@@ -197,8 +183,7 @@ def _ragged_all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, 
     recv_id = jax.lax.ragged_all_to_all((sid % e_local)[:, None],
                                         jnp.full((rows, 1), e_local, jnp.int32), offsets, counts,
                                         land, recv_sizes, axis_name=ax)[:, 0]
-    ys = _run_local(recv_x, recv_id, e_local, experts, act, gmm, lay.mlp_axes,
-                    expected=n * k).astype(x.dtype)
+    ys = _run_local(recv_x, recv_id, e_local, experts, act, gmm, lay.mlp_axes).astype(x.dtype)
     y_sorted = jax.lax.ragged_all_to_all(ys, jnp.zeros((n * k, d), x.dtype), recv_offsets,
                                          recv_sizes, home, counts, axis_name=ax)
     return _combine(y_sorted, order, w).astype(x.dtype), jnp.zeros((), jnp.int32)
@@ -232,7 +217,7 @@ def ep_dispatch(kind: str, x: jax.Array, expert_ids: jax.Array, weights: jax.Arr
     num_experts = experts.w_gate.shape[0]
     lay = current_layout(num_experts, x.shape[0])
     if lay is None:
-        return ragged_dispatch(x, expert_ids, weights, experts, act), jnp.zeros((), jnp.int32)
+        return ragged_dispatch(x, expert_ids, weights, experts, act, gmm), jnp.zeros((), jnp.int32)
     n_local = x.shape[0] // lay.token_shards
     cap = capacity(kind, n_local * expert_ids.shape[1], lay.expert_shards, capacity_factor)
     body = _BODIES[kind]
