@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: kernel tests, KDA benchmark, k3_small
 #   bash scripts/gpu_session.sh two              # two H200s: the 1-vs-2-GPU MoE step
+#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: KDA tests and benchmark
 #
 # CORPUS_DIR: a corpus built by `python -m k3jax.data build ... --tokenizer bpe --vocab 16384` (the
 # machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
@@ -16,34 +17,49 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 part() { local name=$1 secs=$2; shift 2; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1;
          echo "[$name] rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-200)"; }
 
-case "${1:-}" in
-one)
-  corpus=${2:?usage: gpu_session.sh one CORPUS_DIR}
+peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
   if [ -d .whl ]; then
     python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
+}
+kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
+  part kda_gpu_tests 110 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q tests/test_pallas_kda_gpu.py
+  part kda_bench 160 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla --breakdown --out "$OUT/kda.jsonl"
+}
+moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
+  part gmm_gpu_tests 80 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
+  part moe_step 120 python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring \
+    --step-gmm mosaic --stacks "${STACKS:-unrolled,scan}" --iters 5 --repeats 3 \
+    --profile /tmp/prof --out "$OUT/moe.jsonl"
+  for d in /tmp/prof/*/; do
+    echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
+  done > "$OUT/moe_profile.jsonl" 2>&1
+  # NCCL picked its low-latency protocol (LL) for these 32-64 MB collectives; Simple is the
+  # bandwidth protocol: the same step under it says what the choice costs.
+  part moe_step_simple 100 env NCCL_PROTO=Simple python3 benchmarks/moe.py --skip \
+    grouped_matmul,dispatch --dispatches ring --step-gmm mosaic --stacks unrolled --iters 5 \
+    --repeats 3 --out "$OUT/moe_simple.jsonl"
+  part moe_dispatch 80 python3 benchmarks/moe.py --skip grouped_matmul,step \
+    --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl"
+}
+
+case "${1:-}" in
+one)
+  corpus=${2:?usage: gpu_session.sh one CORPUS_DIR}
+  peers; kda
   export CUDA_VISIBLE_DEVICES=0
-  part kda_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_pallas_kda_gpu.py
-  part kda_bench 160 python3 benchmarks/kda.py --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla \
-    --breakdown --out "$OUT/kda.jsonl"
   part step_breakdown 140 python3 benchmarks/step_breakdown.py
   part k3_small 170 python3 train.py --config configs/k3_small.py --workdir /tmp/k3s \
     --set data.data_dir="$corpus" --set train.steps=30 --set eval.batches=2 --set eval.tasks= \
     --set eval.every=1000 --set checkpoint.every=1000
   cp /tmp/k3s/metrics.jsonl "$OUT/k3_small_metrics.jsonl" 2>/dev/null ;;
-two)  # kernel tests, then the target (ring step, 1 then 2 GPUs), profiled, then the parts alone
-  part gmm_gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
-  part moe_step 280 python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring \
-    --step-gmm mosaic --stacks unrolled,scan --iters 5 --repeats 3 --profile /tmp/prof \
-    --out "$OUT/moe.jsonl"
-  for d in /tmp/prof/*/; do
-    echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 30
-  done > "$OUT/moe_profile.jsonl" 2>&1
-  part moe_gmm 50 python3 benchmarks/moe.py --skip dispatch,step --gmm mosaic,mosaic_tiled \
-    --iters 5 --repeats 3 --out "$OUT/moe.jsonl"
-  part moe_dispatch 100 python3 benchmarks/moe.py --skip grouped_matmul,step \
-    --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl" ;;
+two)
+  moe ;;
+kda)  # any lent kind, GPU 0: the KDA parts alone
+  peers; kda ;;
 *)
-  echo "usage: gpu_session.sh one CORPUS_DIR | two" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh one CORPUS_DIR | two | kda" >&2; exit 2 ;;
 esac

@@ -1,10 +1,12 @@
-"""Grouped matmul of the experts: ``x [M, K]`` rows in group order times ``w [G, K, N]`` -> fp32.
+"""Grouped matmul of the experts: ``x [M, K]`` rows in group order times ``w [G, K, N]``.
 
 Two implementations behind one call, chosen by name:
 
-- ``"ragged_dot"`` (reference, every backend): ``jax.lax.ragged_dot`` with fp32 accumulation;
-- ``"mosaic"`` (Hopper GPUs): Mosaic GPU kernels under a ``custom_vjp``; fail-closed (the rule of
-  jla's ``impl="auto"``): shapes, dtypes or platforms the kernels do not cover take the reference.
+- ``"ragged_dot"`` (reference, every backend): ``jax.lax.ragged_dot``, fp32 accumulation and output;
+- ``"mosaic"`` (Hopper GPUs): Mosaic GPU kernels under a ``custom_vjp``, fp32 accumulation, output
+  in the operands' dtype (bf16: what the kernels store; widening it would only add bytes to every
+  elementwise pass over a worst-case buffer). Fail-closed (the rule of jla's ``impl="auto"``):
+  shapes, dtypes or platforms the kernels do not cover take the reference.
 
 Rows past ``sum(group_sizes)`` are padding: their output is unspecified for ``"mosaic"`` (zero for
 ``"ragged_dot"``), so callers mask them.
@@ -49,7 +51,7 @@ def row_alignment(impl: str) -> int:
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                    impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """``y[r] = x[r] @ w[g(r)]`` for rows in group order. ``[M, K]``, ``[G, K, N]``, ``[G]`` int32
-    -> ``[M, N]`` fp32. ``aligned``: every group size is a multiple of ``row_alignment(impl)`` and
+    -> ``[M, N]`` (fp32 for ``ragged_dot``, ``x.dtype`` for ``mosaic``). ``aligned``: every group size is a multiple of ``row_alignment(impl)`` and
     ``M`` is too (the caller's promise; padding rows inside a group must be zero rows)."""
     check_grouped_matmul(impl)
     if impl == "mosaic" and _mosaic_covers(x, w):
@@ -125,8 +127,8 @@ TILED_KERNELS = GMMKernels(_tiled_kernel, _weight_grad_kernel)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def kernel_gmm(x, w, group_sizes, kernels: GMMKernels):
-    """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` fp32 (padding rows unspecified)."""
-    return kernels.forward(x, w, group_sizes, False).astype(jnp.float32)
+    """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` ``x.dtype`` (padding rows unspecified)."""
+    return kernels.forward(x, w, group_sizes, False)
 
 
 def _kernel_gmm_fwd(x, w, group_sizes, kernels):

@@ -140,22 +140,21 @@ def group_rows(group_ids: jax.Array, num_groups: int, rows: int, align: int = 1,
 def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, act: GLUSpec,
                impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """The experts' GLU MLPs on rows in expert order: ``[R, D]``, ``group_sizes [E]`` -> ``[R, D]``
-    fp32; rows past ``sum(group_sizes)`` are padding and come out zero. ``aligned``: the rows are
-    laid out by :func:`group_rows` with ``align=row_alignment(impl)`` (padding rows inside a group
-    are zero rows, so their outputs are zero)."""
+    (the grouped matmul's output dtype). Rows past ``sum(group_sizes)`` are unspecified (the
+    Mosaic kernels leave them unwritten; callers never read them, and their gradients are masked
+    or dropped). ``aligned``: the rows are laid out by :func:`group_rows` with
+    ``align=row_alignment(impl)`` (padding rows inside a group are zero rows: zero outputs)."""
     gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, aligned)
     up = grouped_matmul(xs, experts.w_up, group_sizes, impl, aligned)
-    h = act(gate, up).astype(xs.dtype)
-    ys = grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
-    valid = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], ys, 0.0)
+    h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(xs.dtype)
+    return grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
 
 
 def experts_on_slots(x: jax.Array, slot_rows: jax.Array, group_ids: jax.Array, num_groups: int,
                      experts: ExpertWeights, act: GLUSpec, impl: str, keep: int | None = None,
                      out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """The experts on slots: slot ``s`` reads row ``slot_rows[s]`` of ``x [T, D]`` and goes to group
-    ``group_ids[s]`` (``>= num_groups``: not here) -> ``(outputs [S, D] fp32 in slot order, zero for
+    ``group_ids[s]`` (``>= num_groups``: not here) -> ``(outputs [S, D] in slot order, zero for
     slots not here or past ``keep``; the number of slots run)``. The slots are laid out for
     ``impl`` (:func:`group_rows`), gathered straight from ``x``, run through :func:`expert_ffn` and
     read back in ``out_dtype`` (a narrower one halves the bytes of that read when many slots are

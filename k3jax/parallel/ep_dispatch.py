@@ -160,7 +160,9 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
         y_slots = jax.lax.psum(y_slots, lay.mlp_axes)
     partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32),
                          preferred_element_type=F32)
-    y = jax.lax.psum_scatter(partial, ax, scatter_dimension=0, tiled=True)
+    # Each token's sum over its own slots is fp32; the two-way sum across devices travels in the
+    # input dtype (half the bytes in bf16; the result is rounded to it anyway).
+    y = jax.lax.psum_scatter(partial.astype(x.dtype), ax, scatter_dimension=0, tiled=True)
     dropped = (jnp.sum(local < e_local) - kept).astype(jnp.int32)
     return y.astype(x.dtype), jax.lax.psum(dropped, lay.token_axes)
 
