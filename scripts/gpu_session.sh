@@ -24,8 +24,8 @@ peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
   fi
 }
 kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
-  part kda_gpu_tests 110 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q tests/test_pallas_kda_gpu.py
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
   part kda_bench 160 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla --breakdown --out "$OUT/kda.jsonl"
 }

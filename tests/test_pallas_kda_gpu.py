@@ -28,10 +28,11 @@ NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
 @pytest.mark.parametrize("d,t,gate,segments,scores", [
+    # first, the Mosaic intra-chunk scores kernel (opt-in until these pass on the H200; the XLA
+    # cases below passed on 2026-11-30, and a time-boxed device run reaches the first cases first)
+    (128, 2048, "softplus", True, "mosaic"), (64, 777, "lower_bound", True, "mosaic"),
     (128, 1000, "lower_bound", False, "xla"), (64, 777, "softplus", True, "xla"),
-    (128, 2048, "softplus", True, "xla"),
-    # the Mosaic intra-chunk scores kernel (opt-in until this passes and is timed on the H200)
-    (128, 2048, "softplus", True, "mosaic"), (64, 777, "lower_bound", True, "mosaic")])
+    (128, 2048, "softplus", True, "xla")])
 def test_values_and_gradients_on_gpu(d, t, gate, segments, scores):
     args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
     seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1) if segments
