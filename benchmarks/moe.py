@@ -43,6 +43,7 @@ import k3jax.parallel as kp  # noqa: E402
 from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
 from k3jax.config.mesh import MeshConfig  # noqa: E402
 from k3jax.layers.moe import MoEBlock  # noqa: E402
+from k3jax.model import SCANNED_COLLECTIONS  # noqa: E402
 from k3jax.ops.balancing import update_balance  # noqa: E402
 from k3jax.ops import moe_dispatch  # noqa: E402
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
@@ -200,7 +201,7 @@ class MoEStack(nn.Module):
             for i in range(self.layers):
                 h = _Residual(self.cfg, name=f"moe_{i}")(h, None)[0]
             return h
-        scanned = nn.scan(_Residual, variable_axes={"params": 0, "balance": 0, "balance_stats": 0},
+        scanned = nn.scan(_Residual, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
                           split_rngs={"params": True}, length=self.layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})
         return scanned(self.cfg, name="moe")(h, None)[0]
@@ -231,8 +232,8 @@ def bench_step(shape, dispatches, gmm, args, out):
                     model = MoEStack(model_config(shape, name), shape["layers"], stack)
                     profile = (os.path.join(args.profile, f"{name}_{stack}_{devices}gpu")
                                if args.profile else None)
-                    rec["step_ms"], rec["first_step_s"] = run_step(model, mesh, rules, x, args,
-                                                                   profile)
+                    rec["step_ms"], rec["first_step_s"], rec["dropped_fraction"] = run_step(
+                        model, mesh, rules, x, args, profile)
                     rec["tokens_per_s"] = batch * shape["seq_len"] / rec["step_ms"] * 1e3
                     results[(devices, name, stack)] = rec["tokens_per_s"]
                     if devices == 2:
@@ -260,9 +261,9 @@ def speedups(results: dict, name: str, stack: str) -> dict:
 
 
 def run_step(model: MoEStack, mesh, rules, x, args, profile: str | None = None):
-    """Median ms of one SGD step (forward, backward, update) of the MoE stack, and seconds of the
-    first step (compilation included); with ``profile``, a ``jax.profiler`` trace of ``iters``
-    more steps goes there."""
+    """Median ms of one SGD step (forward, backward, update) of the MoE stack, seconds of the
+    first step (compilation included) and the last step's dropped fraction of slots (capacity
+    variants); with ``profile``, a ``jax.profiler`` trace of ``iters`` more steps goes there."""
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1]))
     shardings = kp.logical_to_sharding(nn.get_partition_spec(boxed), mesh, rules)
 
@@ -278,33 +279,36 @@ def run_step(model: MoEStack, mesh, rules, x, args, profile: str | None = None):
         params, balance = state
 
         def loss(p):
-            h, mut = model.apply({"params": p, "balance": balance}, x, mutable=["balance_stats"])
+            h, mut = model.apply({"params": p, "balance": balance}, x,
+                                 mutable=["balance_stats", "diagnostics"])
             return jnp.mean(jnp.square(h.astype(jnp.float32))), mut
         grads, mut = jax.grad(loss, has_aux=True)(params)
         # Quantile balancing keeps the experts' loads even as in training (without it the SGD
         # steps drift the router and the load on one device, not the dispatch, sets the time).
         balance = update_balance(balance, mut["balance_stats"], model.cfg.moe)
-        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), balance
+        dropped = sum(jnp.sum(d) for d in jax.tree.leaves(mut.get("diagnostics", {})))
+        return (jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), balance), dropped
 
     def run(state, steps):
         for _ in range(steps):
-            state = jitted(state, x)
-        return jax.block_until_ready(state)
+            state, dropped = jitted(state, x)
+        return jax.block_until_ready(state), int(dropped)
 
     with kp.use_mesh(mesh, rules):
-        jitted = jax.jit(step, out_shardings=shardings, donate_argnums=(0,))
+        jitted = jax.jit(step, out_shardings=(shardings, None), donate_argnums=(0,))
         t0 = time.perf_counter()
-        state = run(state, 1)                                    # compile
+        state, _ = run(state, 1)                                 # compile
         first_s = time.perf_counter() - t0
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            state = run(state, args.iters)
+            state, dropped = run(state, args.iters)
             times.append((time.perf_counter() - t0) / args.iters * 1e3)
         if profile:
             with jax.profiler.trace(profile):
-                state = run(state, args.iters)
-    return statistics.median(times), first_s
+                state, _ = run(state, args.iters)
+    slots = x.shape[0] * x.shape[1] * model.cfg.moe.top_k * model.layers
+    return statistics.median(times), first_s, dropped / slots
 
 
 def main(argv=None) -> None:

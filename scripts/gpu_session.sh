@@ -31,17 +31,13 @@ kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
 }
 moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
   part gmm_gpu_tests 80 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
-  part moe_step 120 python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring \
-    --step-gmm mosaic --stacks "${STACKS:-unrolled,scan}" --iters 5 --repeats 3 \
+  part moe_step 150 python3 benchmarks/moe.py --skip grouped_matmul,dispatch \
+    --dispatches "${DISPATCHES:-ring,ring@1.125}" \
+    --step-gmm mosaic --stacks "${STACKS:-unrolled}" --iters 5 --repeats 3 \
     --profile /tmp/prof --out "$OUT/moe.jsonl"
   for d in /tmp/prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/moe_profile.jsonl" 2>&1
-  # NCCL picked its low-latency protocol (LL) for these 32-64 MB collectives; Simple is the
-  # bandwidth protocol: the same step under it says what the choice costs.
-  part moe_step_simple 100 env NCCL_PROTO=Simple python3 benchmarks/moe.py --skip \
-    grouped_matmul,dispatch --dispatches ring --step-gmm mosaic --stacks unrolled --iters 5 \
-    --repeats 3 --out "$OUT/moe_simple.jsonl"
   part moe_dispatch 80 python3 benchmarks/moe.py --skip grouped_matmul,step \
     --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl"
 }
