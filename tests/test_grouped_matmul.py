@@ -1,5 +1,6 @@
-"""The grouped matmul's tile-aligned path on CPU: the row layout the dispatches build, the Mosaic
-GPU tile kernel (through the interpreter) and its custom VJP, each against ``jax.lax.ragged_dot``.
+"""The grouped matmul's tile-aligned path on CPU: the row layout the dispatches build (and the
+gathers in and out of it), the Mosaic GPU tile kernel (through the interpreter) and its custom VJP,
+each against ``jax.lax.ragged_dot`` or JAX's own gather.
 
 The VJP test uses the tile kernel in interpreter mode, whose rows in padding tiles are left
 unwritten (unspecified), so it also checks that nothing from them leaks into values or gradients.
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.grouped_matmul import GMMKernels, kernel_gmm, tile_groups
-from k3jax.ops.moe_dispatch import aligned_rows, group_rows
+from k3jax.ops.moe_dispatch import aligned_rows, group_rows, permute_rows
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import tiled_gmm as tiled
 
@@ -57,6 +58,26 @@ def test_group_rows_lays_groups_out_aligned_in_order(align, keep):
     np.testing.assert_array_equal(np.asarray(pos), expect_pos)
     np.testing.assert_array_equal(np.asarray(sizes), expect_sizes)
     assert start <= rows
+
+
+def test_permute_rows_gradient_is_the_gather_transpose():
+    """The gather-only backward of a partial permutation equals JAX's scatter-add transpose of
+    the same gather (rows read once, rows never read, out-of-range sources reading zero)."""
+    rng = np.random.default_rng(0)
+    rows_in, rows_out = 12, 10
+    src = np.full(rows_out, rows_in)                             # out of range: reads zero
+    chosen = rng.choice(rows_in, 7, replace=False)
+    src[rng.choice(rows_out, 7, replace=False)] = chosen
+    inv = np.full(rows_in, rows_out)
+    inv[src[src < rows_in]] = np.nonzero(src < rows_in)[0]
+    x = jax.random.normal(jax.random.key(0), (rows_in, 5))
+    cot = jax.random.normal(jax.random.key(1), (rows_out, 5))
+    src, inv = jnp.asarray(src), jnp.asarray(inv)
+    ours = lambda x: jnp.sum(permute_rows(x, src, inv) * cot)  # noqa: E731
+    ref = lambda x: jnp.sum(jnp.take(x, src, axis=0, mode="fill", fill_value=0) * cot)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(permute_rows(x, src, inv)),
+                                  np.asarray(jnp.take(x, src, axis=0, mode="fill", fill_value=0)))
+    np.testing.assert_array_equal(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(ref)(x)))
 
 
 def test_tile_groups_marks_padding_tiles():

@@ -150,25 +150,48 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, ac
     return grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
 
 
-def experts_on_slots(x: jax.Array, slot_rows: jax.Array, group_ids: jax.Array, num_groups: int,
+@jax.custom_vjp
+def permute_rows(x: jax.Array, src: jax.Array, inv: jax.Array) -> jax.Array:
+    """``out[i] = x[src[i]]`` (zero where ``src[i]`` is out of range) for a partial permutation:
+    each row of ``x`` is read at most once, and ``inv[j]`` names the ``out`` row that reads row
+    ``j`` (out of range if none). ``x [R, D]``, ``src [R']``, ``inv [R]`` -> ``[R', D]``.
+
+    The gradient is then a gather too (``dx = dout[inv]``); JAX's own transpose of a gather is a
+    scatter-add, which cannot know the indices are unique and pays for atomics -- the gathers in
+    and out of expert order are a large share of a JAX MoE's time."""
+    return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+
+
+def _permute_rows_fwd(x, src, inv):
+    return permute_rows(x, src, inv), inv
+
+
+def _permute_rows_bwd(inv, g):
+    return jnp.take(g, inv, axis=0, mode="fill", fill_value=0), None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def experts_on_slots(x: jax.Array, per_row: int, group_ids: jax.Array, num_groups: int,
                      experts: ExpertWeights, act: GLUSpec, impl: str, keep: int | None = None,
                      out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """The experts on slots: slot ``s`` reads row ``slot_rows[s]`` of ``x [T, D]`` and goes to group
-    ``group_ids[s]`` (``>= num_groups``: not here) -> ``(outputs [S, D] in slot order, zero for
-    slots not here or past ``keep``; the number of slots run)``. The slots are laid out for
-    ``impl`` (:func:`group_rows`), gathered straight from ``x``, run through :func:`expert_ffn` and
-    read back in ``out_dtype`` (a narrower one halves the bytes of that read when many slots are
-    not here, as in the ring dispatch)."""
+    """The experts on slots: slot ``s`` reads row ``s // per_row`` of ``x [T, D]`` (a token's
+    ``per_row = k`` slots are consecutive) and goes to group ``group_ids[s]`` (``>= num_groups``:
+    not here) -> ``(outputs [S, D] in slot order, zero for slots not here or past ``keep``; the
+    number of slots run)``. The slots are laid out for ``impl`` (:func:`group_rows`), run through
+    :func:`expert_ffn` and read back in ``out_dtype`` (a narrower one halves the bytes of that
+    read when many slots are not here, as in the ring dispatch)."""
     align = row_alignment(impl)
-    slots = group_ids.shape[0] if keep is None else min(keep, group_ids.shape[0])
-    rows = aligned_rows(slots, num_groups, align)
+    s = group_ids.shape[0]
+    rows = aligned_rows(s if keep is None else min(keep, s), num_groups, align)
     pos, sizes = group_rows(group_ids, num_groups, rows, align, keep)
-    row_src = jnp.full((rows,), x.shape[0], jnp.int32).at[pos].set(
-        slot_rows.astype(jnp.int32), mode="drop", unique_indices=True)
-    buf = jnp.take(x, row_src, axis=0, mode="fill", fill_value=0)   # zero rows between groups
+    row_slot = jnp.full((rows,), s, jnp.int32).at[pos].set(
+        jnp.arange(s, dtype=jnp.int32), mode="drop", unique_indices=True)
+    slots = jnp.repeat(x, per_row, axis=0) if per_row > 1 else x            # [S, D]
+    buf = permute_rows(slots, row_slot, pos)               # zero rows between groups and past them
     ys = expert_ffn(buf, sizes, experts, act, impl, aligned=align > 1)
-    return (jnp.take(ys.astype(out_dtype), pos, axis=0, mode="fill", fill_value=0),
-            jnp.sum(pos < rows))
+    return permute_rows(ys.astype(out_dtype), pos, row_slot), jnp.sum(pos < rows)
 
 
 def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -182,8 +205,7 @@ def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     check_dispatch_args(x, expert_ids, weights, experts)
     n, k = expert_ids.shape
     num_experts = experts.w_gate.shape[0]
-    slot_rows = jnp.arange(n * k) // k                                  # slot s is token s // k's
-    y, _ = experts_on_slots(x, slot_rows, expert_ids.reshape(-1), num_experts, experts, act, impl)
+    y, _ = experts_on_slots(x, k, expert_ids.reshape(-1), num_experts, experts, act, impl)
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, -1),
                       weights.astype(jnp.float32)).astype(x.dtype)
 
@@ -211,5 +233,5 @@ register_dispatch("ragged", lambda cfg: functools.partial(ragged_dispatch,
 register_dispatch("dense", lambda cfg: dense_dispatch)
 
 __all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args",
-           "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows",
+           "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows", "permute_rows",
            "make_dispatch", "ragged_dispatch", "register_dispatch", "registered_dispatches"]

@@ -94,7 +94,7 @@ def _run_local(xs: jax.Array, local_ids: jax.Array, e_local: int, experts, act, 
     """Rows in any order with local expert ids (``e_local``: padding) -> outputs ``[R, D]`` fp32,
     same order. With tensor parallelism each device holds a slice of the hidden width, so the down
     projection is a partial sum (``psum`` over it)."""
-    ys, _ = experts_on_slots(xs, jnp.arange(xs.shape[0]), local_ids, e_local, experts, act, gmm)
+    ys, _ = experts_on_slots(xs, 1, local_ids, e_local, experts, act, gmm)
     return jax.lax.psum(ys, mlp_axes) if mlp_axes else ys
 
 
@@ -153,8 +153,7 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
     me = jax.lax.axis_index(ax)
     flat = ids_all.reshape(-1)
     local = jnp.where(flat // e_local == me, flat - me * e_local, e_local)
-    slot_rows = jnp.arange(flat.shape[0]) // k                      # slot s is token s // k's
-    y_slots, kept = experts_on_slots(x_all, slot_rows, local, e_local, experts, act, gmm, keep=cap,
+    y_slots, kept = experts_on_slots(x_all, k, local, e_local, experts, act, gmm, keep=cap,
                                      out_dtype=x.dtype)
     if lay.mlp_axes:
         y_slots = jax.lax.psum(y_slots, lay.mlp_axes)
