@@ -15,7 +15,7 @@ import pytest
 
 from k3jax.ops.grouped_matmul import GMMKernels, kernel_gmm, tile_groups
 from k3jax.ops.moe_dispatch import aligned_rows, group_rows, permute_rows
-from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import tiled_gmm as tiled
 
 BM = tiled.BLOCK_M
@@ -60,24 +60,33 @@ def test_group_rows_lays_groups_out_aligned_in_order(align, keep):
     assert start <= rows
 
 
-def test_permute_rows_gradient_is_the_gather_transpose():
-    """The gather-only backward of a partial permutation equals JAX's scatter-add transpose of
-    the same gather (rows read once, rows never read, out-of-range sources reading zero)."""
-    rng = np.random.default_rng(0)
-    rows_in, rows_out = 12, 10
-    src = np.full(rows_out, rows_in)                             # out of range: reads zero
-    chosen = rng.choice(rows_in, 7, replace=False)
-    src[rng.choice(rows_out, 7, replace=False)] = chosen
-    inv = np.full(rows_in, rows_out)
-    inv[src[src < rows_in]] = np.nonzero(src < rows_in)[0]
-    x = jax.random.normal(jax.random.key(0), (rows_in, 5))
+@pytest.mark.parametrize("fan_out", [1, 3])
+def test_permute_rows_gradient_is_the_gather_transpose(fan_out):
+    """Values and the gather-only backward of a partial permutation of slots (``fan_out`` slots
+    per row of ``x``) equal JAX's gather from the materialised slots and its scatter-add
+    transpose: slots read once, slots never read, out-of-range sources reading zero."""
+    rng = np.random.default_rng(fan_out)
+    tokens, rows_out = 4, 10
+    slots = tokens * fan_out
+    src = np.full(rows_out, slots)                               # out of range: reads zero
+    chosen = rng.choice(slots, min(7, slots), replace=False)
+    src[rng.choice(rows_out, len(chosen), replace=False)] = chosen
+    inv = np.full(slots, rows_out)
+    inv[src[src < slots]] = np.nonzero(src < slots)[0]
+    x = jax.random.normal(jax.random.key(0), (tokens, 5))
     cot = jax.random.normal(jax.random.key(1), (rows_out, 5))
     src, inv = jnp.asarray(src), jnp.asarray(inv)
-    ours = lambda x: jnp.sum(permute_rows(x, src, inv) * cot)  # noqa: E731
-    ref = lambda x: jnp.sum(jnp.take(x, src, axis=0, mode="fill", fill_value=0) * cot)  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(permute_rows(x, src, inv)),
-                                  np.asarray(jnp.take(x, src, axis=0, mode="fill", fill_value=0)))
-    np.testing.assert_array_equal(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(ref)(x)))
+
+    def ref(x):
+        return jnp.take(jnp.repeat(x, fan_out, axis=0), src, axis=0, mode="fill", fill_value=0)
+
+    def ours(x):
+        return permute_rows(x, src, inv, fan_out)
+
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(ref(x)))
+    grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * cot))(x) for f in (ours, ref)]
+    assert rel_rms(grads[1], grads[0]) <= FP32_TOL               # same sums, another order
+    assert np.any(np.asarray(grads[1]) != 0)
 
 
 def test_tile_groups_marks_padding_tiles():

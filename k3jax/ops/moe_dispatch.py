@@ -146,28 +146,36 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, ac
     ``align=row_alignment(impl)`` (padding rows inside a group are zero rows: zero outputs)."""
     gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, aligned)
     up = grouped_matmul(xs, experts.w_up, group_sizes, impl, aligned)
-    h = act(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(xs.dtype)
+    h = act(gate, up).astype(xs.dtype)                          # fp32 inside the activation
     return grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, src: jax.Array, inv: jax.Array) -> jax.Array:
-    """``out[i] = x[src[i]]`` (zero where ``src[i]`` is out of range) for a partial permutation:
-    each row of ``x`` is read at most once, and ``inv[j]`` names the ``out`` row that reads row
-    ``j`` (out of range if none). ``x [R, D]``, ``src [R']``, ``inv [R]`` -> ``[R', D]``.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_rows(x: jax.Array, src: jax.Array, inv: jax.Array, fan_out: int = 1) -> jax.Array:
+    """Rows of ``x`` moved by a partial permutation of slots: row ``j`` of ``x`` is slots
+    ``j * fan_out ... (j + 1) * fan_out - 1`` (a token's ``k`` routed copies), ``out[i]`` is slot
+    ``src[i]`` (zero where ``src[i]`` is out of range), and ``inv[s]`` names the ``out`` row that
+    holds slot ``s`` (out of range if none). ``x [T, D]``, ``src [R]``, ``inv [T * fan_out]`` ->
+    ``[R, D]``.
 
-    The gradient is then a gather too (``dx = dout[inv]``); JAX's own transpose of a gather is a
-    scatter-add, which cannot know the indices are unique and pays for atomics -- the gathers in
-    and out of expert order are a large share of a JAX MoE's time."""
-    return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+    The gradient is then a gather too (``dx[j] = sum of dout[inv[s]]`` over row ``j``'s slots);
+    JAX's own transpose of a gather is a scatter-add, which cannot know the indices are unique and
+    pays for atomics -- the gathers in and out of expert order are a large share of a JAX MoE's
+    time. The slots are never materialised (no ``[T * fan_out, D]`` copy of ``x``)."""
+    row = jnp.where(src < inv.shape[0], src // fan_out, x.shape[0])
+    return jnp.take(x, row, axis=0, mode="fill", fill_value=0)
 
 
-def _permute_rows_fwd(x, src, inv):
-    return permute_rows(x, src, inv), inv
+def _permute_rows_fwd(x, src, inv, fan_out):
+    return permute_rows(x, src, inv, fan_out), inv
 
 
-def _permute_rows_bwd(inv, g):
-    return jnp.take(g, inv, axis=0, mode="fill", fill_value=0), None, None
+def _permute_rows_bwd(fan_out, inv, g):
+    g_slots = jnp.take(g, inv, axis=0, mode="fill", fill_value=0)           # [T * fan_out, D]
+    if fan_out == 1:
+        return g_slots, None, None
+    dx = g_slots.reshape(-1, fan_out, g.shape[-1]).sum(1, dtype=jnp.float32)
+    return dx.astype(g.dtype), None, None
 
 
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
@@ -188,8 +196,7 @@ def experts_on_slots(x: jax.Array, per_row: int, group_ids: jax.Array, num_group
     pos, sizes = group_rows(group_ids, num_groups, rows, align, keep)
     row_slot = jnp.full((rows,), s, jnp.int32).at[pos].set(
         jnp.arange(s, dtype=jnp.int32), mode="drop", unique_indices=True)
-    slots = jnp.repeat(x, per_row, axis=0) if per_row > 1 else x            # [S, D]
-    buf = permute_rows(slots, row_slot, pos)               # zero rows between groups and past them
+    buf = permute_rows(x, row_slot, pos, per_row)         # zero rows between groups and past them
     ys = expert_ffn(buf, sizes, experts, act, impl, aligned=align > 1)
     return permute_rows(ys.astype(out_dtype), pos, row_slot), jnp.sum(pos < rows)
 
