@@ -322,7 +322,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip", default="", help="comma list of grouped_matmul,dispatch,step")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--stacks", default="scan", help="comma list of scan,unrolled (the step's layers)")
+    p.add_argument("--stacks", default="scan",
+                   help="comma list of scan,unrolled (the step's layers)")
     p.add_argument("--profile", default=None, help="directory for jax.profiler traces of each step")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

@@ -1,14 +1,15 @@
 """Mosaic GPU kernel: grouped matmul over row tiles that each belong to one group, skipping tiles
 that belong to none.
 
-Reference: :func:`tiled_gmm_reference` (``jax.lax.ragged_dot`` on the same rows). The rows are
-laid out so that every group starts on a multiple of ``BLOCK_M`` rows (the dispatch pads each
-group; see ``k3jax.ops.grouped_matmul``); then tile ``t`` of ``BLOCK_M`` rows is one group's
-(``tile_group[t]``) or padding past the last group (``-1``). One CTA per ``(column tile, row tile)`` runs a TMA-pipelined
-WGMMA loop over ``K`` (bf16 operands, fp32 accumulation) and stores a full tile; a padding tile
-returns at once. jax's ``ragged_dot_mgpu`` instead lets tiles straddle groups and walks a grid fixed
-by the row count, so a worst-case-sized expert buffer (dropless expert parallelism: ``E_p`` times
-the balanced load) costs its full size in tensor-core time; here it costs its real rows.
+Reference: :func:`tiled_gmm_reference` (each row times its tile's group's weights, fp32
+accumulation). The rows are laid out so that every group starts on a multiple of ``BLOCK_M`` rows
+(the dispatch pads each group; see ``k3jax.ops.grouped_matmul``); then tile ``t`` of ``BLOCK_M``
+rows is one group's (``tile_group[t]``) or padding past the last group (``-1``). One CTA per
+``(column tile, row tile)`` runs a TMA-pipelined WGMMA loop over ``K`` (bf16 operands, fp32
+accumulation) and stores a full tile; a padding tile returns at once. jax's ``ragged_dot_mgpu``
+instead lets tiles straddle groups and walks a grid fixed by the row count, so a worst-case-sized
+expert buffer (dropless expert parallelism: ``E_p`` times the balanced load) costs its full size
+in tensor-core time; here it costs its real rows.
 
 With ``transpose_rhs`` the weights are ``[G, N, K]`` and the product is ``x @ w[g].T`` (the input
 gradient of the forward product).

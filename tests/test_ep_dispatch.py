@@ -218,4 +218,3 @@ def test_errors_before_tracing():
     if jax.default_backend() == "cpu":
         with pytest.raises(ConfigError, match="no CPU lowering"):
             make_dispatch(MoEConfig(dispatch="ragged_all_to_all"))
-

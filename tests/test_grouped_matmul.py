@@ -110,6 +110,17 @@ def test_tile_kernel_matches_reference(transpose_rhs):
         <= BF16_OUT_TOL
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_tile_kernel_lowers_for_cuda(transpose_rhs):
+    """The kernel passes Mosaic GPU's lowering for an sm_90 target at MoE sizes (layouts, WGMMA
+    tiling); the interpreter alone would accept layouts that do not lower."""
+    x = jax.ShapeDtypeStruct((8 * BM, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((32, 768, 1024) if transpose_rhs else (32, 1024, 768), jnp.bfloat16)
+    groups = jax.ShapeDtypeStruct((8,), jnp.int32)
+    jax.jit(lambda x, w, g: tiled.tiled_gmm(x, w, g, transpose_rhs=transpose_rhs)).trace(
+        x, w, groups).lower(lowering_platforms=("cuda",))
+
+
 def test_tile_kernel_rejects_bad_shapes():
     x = jnp.zeros((BM, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="tile_group must be"):

@@ -51,8 +51,9 @@ def row_alignment(impl: str) -> int:
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                    impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """``y[r] = x[r] @ w[g(r)]`` for rows in group order. ``[M, K]``, ``[G, K, N]``, ``[G]`` int32
-    -> ``[M, N]`` (fp32 for ``ragged_dot``, ``x.dtype`` for ``mosaic``). ``aligned``: every group size is a multiple of ``row_alignment(impl)`` and
-    ``M`` is too (the caller's promise; padding rows inside a group must be zero rows)."""
+    -> ``[M, N]`` (fp32 for ``ragged_dot``, ``x.dtype`` for ``mosaic``). ``aligned``: every group
+    size is a multiple of ``row_alignment(impl)`` and ``M`` is too (the caller's promise; padding
+    rows inside a group must be zero rows)."""
     check_grouped_matmul(impl)
     if impl == "mosaic" and _mosaic_covers(x, w):
         kernels = TILED_KERNELS if aligned and x.shape[0] % tiled.BLOCK_M == 0 else RAGGED_KERNELS
@@ -73,11 +74,11 @@ def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
             and k % 128 == 0 and n % 128 == 0)
 
 
-def tile_groups(group_sizes: jax.Array, rows: int, block: int = tiled.BLOCK_M) -> jax.Array:
-    """Group of each ``block``-row tile of tile-aligned rows, ``-1`` past the last group:
-    ``[G]`` -> ``[rows / block]`` int32."""
+def tile_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Group of each ``BLOCK_M``-row tile of tile-aligned rows, ``-1`` past the last group:
+    ``[G]`` -> ``[rows / BLOCK_M]`` int32."""
     ends = jnp.cumsum(group_sizes)
-    starts = jnp.arange(rows // block, dtype=ends.dtype) * block
+    starts = jnp.arange(rows // tiled.BLOCK_M, dtype=ends.dtype) * tiled.BLOCK_M
     group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
     return jnp.where(starts < ends[-1], group, -1)
 
@@ -127,7 +128,8 @@ TILED_KERNELS = GMMKernels(_tiled_kernel, _weight_grad_kernel)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def kernel_gmm(x, w, group_sizes, kernels: GMMKernels):
-    """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` ``x.dtype`` (padding rows unspecified)."""
+    """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` in ``x.dtype`` (padding rows
+    unspecified)."""
     return kernels.forward(x, w, group_sizes, False)
 
 
