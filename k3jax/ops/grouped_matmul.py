@@ -28,9 +28,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tiled_gmm as tiled
-
 GROUPED_MATMULS = ("ragged_dot", "mosaic")
+# Rows per tile of pallas_kernels.tiled_gmm (its BLOCK_M; a test holds them equal). The kernel
+# module is imported lazily: GPU-only dependencies stay out of CPU imports.
+TILE_ROWS = 128
 
 # Tile sizes of jax's Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _STAGES, _GRID_N = 128, 128, 64, 4, 1
@@ -45,7 +46,7 @@ def check_grouped_matmul(name: str) -> None:
 def row_alignment(impl: str) -> int:
     """Rows each group should start on a multiple of, for ``impl`` to skip padding (1: any)."""
     check_grouped_matmul(impl)
-    return tiled.BLOCK_M if impl == "mosaic" else 1
+    return TILE_ROWS if impl == "mosaic" else 1
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
@@ -56,7 +57,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     rows inside a group must be zero rows)."""
     check_grouped_matmul(impl)
     if impl == "mosaic" and _mosaic_covers(x, w):
-        kernels = TILED_KERNELS if aligned and x.shape[0] % tiled.BLOCK_M == 0 else RAGGED_KERNELS
+        kernels = TILED_KERNELS if aligned and x.shape[0] % TILE_ROWS == 0 else RAGGED_KERNELS
         return kernel_gmm(x, w, group_sizes.astype(jnp.int32), kernels)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
@@ -75,10 +76,10 @@ def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
 
 
 def tile_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """Group of each ``BLOCK_M``-row tile of tile-aligned rows, ``-1`` past the last group:
-    ``[G]`` -> ``[rows / BLOCK_M]`` int32."""
+    """Group of each ``TILE_ROWS``-row tile of tile-aligned rows, ``-1`` past the last group:
+    ``[G]`` -> ``[rows / TILE_ROWS]`` int32."""
     ends = jnp.cumsum(group_sizes)
-    starts = jnp.arange(rows // tiled.BLOCK_M, dtype=ends.dtype) * tiled.BLOCK_M
+    starts = jnp.arange(rows // TILE_ROWS, dtype=ends.dtype) * TILE_ROWS
     group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
     return jnp.where(starts < ends[-1], group, -1)
 
@@ -101,7 +102,8 @@ def _ragged_kernel(x, w, group_sizes, transpose_rhs=False):
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs",))
 def _tiled_kernel(x, w, group_sizes, transpose_rhs=False):
-    return tiled.tiled_gmm(x, w, tile_groups(group_sizes, x.shape[0]), transpose_rhs=transpose_rhs)
+    from pallas_kernels.tiled_gmm import tiled_gmm
+    return tiled_gmm(x, w, tile_groups(group_sizes, x.shape[0]), transpose_rhs=transpose_rhs)
 
 
 @jax.jit
@@ -151,5 +153,5 @@ def _kernel_gmm_bwd(kernels, res, g):
 
 kernel_gmm.defvjp(_kernel_gmm_fwd, _kernel_gmm_bwd)
 
-__all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS",
+__all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS", "TILE_ROWS",
            "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "tile_groups"]
