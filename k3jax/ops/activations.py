@@ -23,11 +23,36 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return y.astype(gate.dtype)
 
 
+def _check_activation(activation: str) -> None:
+    if activation not in ("swiglu", "situ_glu"):
+        raise ValueError(f"activation={activation!r} is invalid: expected 'swiglu' or 'situ_glu'")
+
+
 def glu(gate: jax.Array, up: jax.Array, activation: str, beta_gate: float = 4.0,
         beta_up: float = 25.0) -> jax.Array:
     """The gated activation named by a config (``"swiglu"`` or ``"situ_glu"``)."""
+    _check_activation(activation)
     if activation == "swiglu":
         return swiglu(gate, up)
-    if activation == "situ_glu":
-        return situ_glu(gate, up, beta_gate, beta_up)
-    raise ValueError(f"activation={activation!r} is invalid: expected 'swiglu' or 'situ_glu'")
+    return situ_glu(gate, up, beta_gate, beta_up)
+
+
+def glu_vjp(gate: jax.Array, up: jax.Array, dh: jax.Array, activation: str,
+            beta_gate: float = 4.0, beta_up: float = 25.0) -> tuple[jax.Array, jax.Array]:
+    """The input gradients of :func:`glu` written out, ``(dgate, dup)`` in fp32, from fp32 ``gate``,
+    ``up`` and output gradient ``dh`` (all ``[..., m]``).
+
+    Written by hand (a test holds it to ``jax.vjp`` of :func:`glu`) because kernels that fuse it
+    cannot lower the accumulation primitives autodiff emits; only elementwise ops appear here.
+    With ``G(a) = beta_g tanh(a / beta_g) sigmoid(a)`` and ``U(b) = beta_u tanh(b / beta_u)``:
+    ``dgate = dh U(b) G'(a)``, ``dup = dh G(a) U'(b)``; SwiGLU: ``dgate = dh b silu'(a)``,
+    ``dup = dh silu(a)``.
+    """
+    _check_activation(activation)
+    s = jax.nn.sigmoid(gate)
+    if activation == "swiglu":
+        return dh * up * s * (1.0 + gate * (1.0 - s)), dh * gate * s
+    tg, tu = jnp.tanh(gate / beta_gate), jnp.tanh(up / beta_up)
+    g_val, u_val = beta_gate * tg * s, beta_up * tu
+    g_grad = (1.0 - tg * tg) * s + g_val * (1.0 - s)
+    return dh * u_val * g_grad, dh * g_val * (1.0 - tu * tu)
