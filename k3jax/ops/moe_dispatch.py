@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.activations import glu
-from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment
+from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment, runs_on_tiles
+from k3jax.ops.tiled_glu import glu_on_tiles
 
 
 class ExpertWeights(NamedTuple):
@@ -141,12 +142,16 @@ def expert_ffn(xs: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, ac
                impl: str = "ragged_dot", aligned: bool = False) -> jax.Array:
     """The experts' GLU MLPs on rows in expert order: ``[R, D]``, ``group_sizes [E]`` -> ``[R, D]``
     (the grouped matmul's output dtype). Rows past ``sum(group_sizes)`` are unspecified (the
-    Mosaic kernels leave them unwritten; callers never read them, and their gradients are masked
-    or dropped). ``aligned``: the rows are laid out by :func:`group_rows` with
-    ``align=row_alignment(impl)`` (padding rows inside a group are zero rows: zero outputs)."""
+    Mosaic kernels leave them unwritten) and so are their gradients: callers never read either.
+    ``aligned``: the rows are laid out by :func:`group_rows` with ``align=row_alignment(impl)``
+    (padding rows inside a group are zero rows: zero outputs); on the Mosaic tile kernels nothing
+    is then computed on the tiles past the last group."""
     gate = grouped_matmul(xs, experts.w_gate, group_sizes, impl, aligned)
     up = grouped_matmul(xs, experts.w_up, group_sizes, impl, aligned)
-    h = act(gate, up).astype(xs.dtype)                          # fp32 inside the activation
+    # On tiles only when all three matmuls are: the others read every row of the activation.
+    on_tiles = (runs_on_tiles(xs, experts.w_gate, impl, aligned)
+                and runs_on_tiles(gate, experts.w_down, impl, aligned))
+    h = glu_on_tiles(gate, up, group_sizes, act, on_tiles).astype(xs.dtype)   # fp32 inside
     return grouped_matmul(h, experts.w_down, group_sizes, impl, aligned)
 
 
