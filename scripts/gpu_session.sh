@@ -30,7 +30,7 @@ kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
     --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla --breakdown --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
-  part gmm_gpu_tests 80 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
+  part gmm_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
   part moe_step 150 python3 benchmarks/moe.py --skip grouped_matmul,dispatch \
     --dispatches "${DISPATCHES:-ring,ring@1.125}" \
     --step-gmm mosaic --stacks "${STACKS:-unrolled}" --iters 5 --repeats 3 \
