@@ -43,14 +43,15 @@ def kernel(body, name: str, interpret: bool, **kwargs):
 
 
 def shared_lowering(fn, static_argnames: tuple[str, ...]):
-    """``fn`` (a kernel launcher with an ``interpret`` keyword) under ``jax.jit``.
+    """``fn`` (a kernel launcher with an ``interpret`` keyword) under ``jax.jit``, with
+    ``static_argnames`` and ``interpret`` static.
 
     A model calls each kernel once per layer: jitted, every call site with the same shapes shares
     one lowered Mosaic module instead of lowering and compiling its own copy. In the interpreter (CPU
     tests) ``fn`` runs as it is: jitted interpreted kernels deadlocked the CPU runtime when earlier
     interpreted kernels had run in the same process.
     """
-    jitted = jax.jit(fn, static_argnames=static_argnames)
+    jitted = jax.jit(fn, static_argnames=(*static_argnames, "interpret"))
 
     def call(*args, interpret: bool = False, **kwargs):
         return (fn if interpret else jitted)(*args, interpret=interpret, **kwargs)

@@ -32,8 +32,8 @@ CHUNK_SIZES = (64,)
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "interpret"))
-_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "interpret"))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size",))
+_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size",))
 
 
 def _bf16(x):

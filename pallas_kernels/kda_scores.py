@@ -219,8 +219,8 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
     return run(*lhs, b, g, *dss)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype", "interpret"))
-_bwd_jit = shared_lowering(_bwd_call, ("which", "interpret"))
+_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype"))
+_bwd_jit = shared_lowering(_bwd_call, ("which",))
 
 
 # --------------------------------------------------------------------------- differentiable op
