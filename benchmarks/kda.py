@@ -71,9 +71,9 @@ def ours(q, k, v, g, beta):
     return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
 
 
-def ours_mosaic_scores(q, k, v, g, beta):
+def ours_xla_scores(q, k, v, g, beta):
     from pallas_kernels.kda import kda_pallas
-    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, scores="mosaic")[0]
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, scores="xla")[0]
 
 
 def chunked(q, k, v, g, beta):
@@ -149,8 +149,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
-                    help="comma-separated subset of ours_pallas, ours_pallas_mosaic_scores (intra-chunk "
-                         "scores as a Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
+                    help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
+                         "scores from XLA instead of the Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
@@ -180,7 +180,7 @@ def main(argv=None):
         for shape in shapes:
             args = make_inputs(*shape)
             run = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
-                   "ours_pallas_mosaic_scores": lambda: jax_pair(ours_mosaic_scores, args),
+                   "ours_pallas_xla_scores": lambda: jax_pair(ours_xla_scores, args),
                    "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}[name]
             try:
                 results[name, shape] = r = run()

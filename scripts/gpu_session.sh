@@ -27,7 +27,7 @@ kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
   part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
   part kda_bench 160 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,ours_pallas_mosaic_scores,jla,fla --breakdown --out "$OUT/kda.jsonl"
+    --impls ours_pallas,jla,fla,ours_pallas_xla_scores --breakdown --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
   part gmm_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
