@@ -28,7 +28,7 @@ def glu_on_tiles(gate: jax.Array, up: jax.Array, group_sizes: jax.Array, act,
     tiles past the last group are then unspecified, as theirs are. ``interpret``: run the kernels
     in the Mosaic GPU interpreter (CPU tests)."""
     if not on_tiles:
-        return glu(gate, up, act.name, act.beta_gate, act.beta_up).astype(gate.dtype)
+        return glu(gate, up, act.name, act.beta_gate, act.beta_up)
     tile_group = tile_groups(group_sizes.astype(jnp.int32), gate.shape[0])
     return _tiled(gate, up, tile_group, (act.name, act.beta_gate, act.beta_up), interpret)
 
