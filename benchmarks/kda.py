@@ -9,7 +9,11 @@ chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls 
 (host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).
 
     python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla] [--out results.jsonl]
-                             [--breakdown [B,T,H,D]]
+                             [--breakdown [B,T,H,D]] [--profile DIR]
+
+``--profile DIR`` writes a ``jax.profiler`` trace of five forward+backward calls of each JAX
+implementation in ``--impls`` at the first shape to ``DIR/NAME`` (``benchmarks/profile_top.py
+DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take the time.
 """
 
 from __future__ import annotations
@@ -105,6 +109,10 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
+JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": ours_xla_scores,
+           "ours_chunked_jax": chunked, "jla": jla_kda}
+
+
 def breakdown(args, scores="xla"):
     """Split our forward+backward into the token-parallel part (intra-chunk scores by ``scores``) and
     the two state kernels (ms)."""
@@ -126,6 +134,16 @@ def breakdown(args, scores="xla"):
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
     return {"prep_fwd_ms": time_jax(jax.jit(prep), args), "state_fwd_kernel_ms": time_jax(fwd_k, kin),
             "state_bwd_kernel_ms": time_jax(bwd_k, bin_), "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
+
+
+def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
+    """A ``jax.profiler`` trace of ``calls`` compiled forward+backward calls of ``op``."""
+    loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32))  # noqa: E731
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    jax.block_until_ready(fb(*args))
+    with jax.profiler.trace(out_dir):
+        for _ in range(calls):
+            jax.block_until_ready(fb(*args))
 
 
 def _record(name, shape, r, base, device):
@@ -155,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
                     help="also time our parts separately at this B,T,H,D (default 8,4096,16,128)")
+    ap.add_argument("--profile", default=None,
+                    help="directory for jax.profiler traces of the JAX impls at the first shape")
     a = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     dev = jax.devices()[0].device_kind
@@ -177,11 +197,17 @@ def main(argv=None):
         except Exception as e:
             emit({"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
     for name in a.impls.split(","):
+        if a.profile and name in JAX_OPS:
+            trace_dir = f"{a.profile}/{name}"
+            try:
+                profile_pair(JAX_OPS[name], make_inputs(*shapes[0]), trace_dir)
+                emit({"impl": name, "shape": list(shapes[0]), "profile": trace_dir})
+            except Exception as e:
+                emit({"impl": name, "profile": trace_dir, "error": f"{type(e).__name__}: {e}"[:300]})
         for shape in shapes:
             args = make_inputs(*shape)
-            run = {"ours_pallas": lambda: jax_pair(ours, args), "ours_chunked_jax": lambda: jax_pair(chunked, args),
-                   "ours_pallas_xla_scores": lambda: jax_pair(ours_xla_scores, args),
-                   "jla": lambda: jax_pair(jla_kda, args), "fla": lambda: fla_pair(args)}[name]
+            run = ((lambda: jax_pair(JAX_OPS[name], args)) if name in JAX_OPS else
+                   {"fla": lambda: fla_pair(args)}[name])
             try:
                 results[name, shape] = r = run()
             except Exception as e:  # a peer not installed or failing: record why, keep going

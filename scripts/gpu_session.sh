@@ -24,10 +24,17 @@ peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
   fi
 }
 kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
-  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+  part kda_gpu_tests 180 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 160 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,jla,fla,ours_pallas_xla_scores --breakdown --out "$OUT/kda.jsonl"
+  part kda_bench 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,jla,fla --out "$OUT/kda.jsonl"
+  part kda_parts 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,ours_pallas_xla_scores --shapes 8,4096,16,128 --breakdown \
+    --profile /tmp/kda_prof \
+    --out "$OUT/kda.jsonl"
+  for d in /tmp/kda_prof/*/; do
+    echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
+  done > "$OUT/kda_profile.jsonl" 2>&1
 }
 moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
   part gmm_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
