@@ -36,6 +36,13 @@ def matmul(shape: tuple[int, int], *pairs) -> jax.Array:
     return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
 
 
+def copy_all(srcs, slots, slot, barrier) -> None:
+    """Start TMA copies of the GMEM views ``srcs`` into slot ``slot`` of the double-buffered SMEM
+    refs ``slots``, all arriving on ``barrier``."""
+    for src, dst in zip(srcs, slots, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier)
+
+
 def kernel(body, name: str, interpret: bool, **kwargs):
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(body, kernel_name=name, compiler_params=params,

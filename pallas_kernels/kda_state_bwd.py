@@ -23,7 +23,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, kernel, load, matmul, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, tiles
 from pallas_kernels.kda_state_fwd import BLOCK_V
 
 
@@ -56,14 +56,10 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
 
         def fetch(n, slot):
             tok, bar = pl.ds(n * c, c), bars.at[slot]
-            plgpu.copy_gmem_to_smem(qg_ref.at[bi, hi, tok], qg_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(kg_ref.at[bi, hi, tok], kg_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(w_ref.at[bi, hi, tok], w_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_ref.at[bi, hi, tok], a_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(gam_ref.at[bi, hi, n], gam_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(st_ref.at[bi, hi, n, :, cols], s_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(vt_ref.at[bi, hi, tok, cols], vt_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, hi, tok, cols], do_s.at[slot], bar)
+            srcs = (qg_ref.at[bi, hi, tok], kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok],
+                    a_ref.at[bi, hi, tok], gam_ref.at[bi, hi, n], st_ref.at[bi, hi, n, :, cols],
+                    vt_ref.at[bi, hi, tok, cols], do_ref.at[bi, hi, tok, cols])
+            copy_all(srcs, (qg_s, kg_s, w_s, a_s, gam_s, s_s, vt_s, do_s), slot, bar)
 
         fetch(nc - 1, 0)
         ds0 = load(df_ref.at[bi, hi, :, cols])

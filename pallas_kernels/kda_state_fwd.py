@@ -17,7 +17,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, kernel, load, matmul, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, tiles
 
 BLOCK_V = 64
 
@@ -46,12 +46,9 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
 
         def fetch(n, slot):
             tok, bar = pl.ds(n * c, c), bars.at[slot]
-            plgpu.copy_gmem_to_smem(qg_ref.at[bi, hi, tok], qg_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(kg_ref.at[bi, hi, tok], kg_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(w_ref.at[bi, hi, tok], w_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(u_ref.at[bi, hi, tok, cols], u_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_ref.at[bi, hi, tok], a_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(gam_ref.at[bi, hi, n], gam_s.at[slot], bar)
+            srcs = (qg_ref.at[bi, hi, tok], kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok],
+                    u_ref.at[bi, hi, tok, cols], a_ref.at[bi, hi, tok], gam_ref.at[bi, hi, n])
+            copy_all(srcs, (qg_s, kg_s, w_s, u_s, a_s, gam_s), slot, bar)
 
         fetch(0, 0)
         s0 = load(h0_ref.at[bi, hi, :, cols])
