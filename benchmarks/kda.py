@@ -176,6 +176,9 @@ def main(argv=None):
     ap.add_argument("--profile", default=None,
                     help="directory for jax.profiler traces of the JAX impls at the first shape")
     a = ap.parse_args(argv)
+    unknown = set(a.impls.split(",")) - {*JAX_OPS, "fla"}
+    if unknown:
+        ap.error(f"--impls: unknown {sorted(unknown)}; known: {sorted({*JAX_OPS, 'fla'})}")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     dev = jax.devices()[0].device_kind
     lines, results = [], {}
@@ -206,10 +209,9 @@ def main(argv=None):
                 emit({"impl": name, "profile": trace_dir, "error": f"{type(e).__name__}: {e}"[:300]})
         for shape in shapes:
             args = make_inputs(*shape)
-            run = ((lambda: jax_pair(JAX_OPS[name], args)) if name in JAX_OPS else
-                   {"fla": lambda: fla_pair(args)}[name])
             try:
-                results[name, shape] = r = run()
+                r = jax_pair(JAX_OPS[name], args) if name in JAX_OPS else fla_pair(args)
+                results[name, shape] = r
             except Exception as e:  # a peer not installed or failing: record why, keep going
                 emit({"impl": name, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
                 continue

@@ -24,7 +24,7 @@ ACTS = [GLUSpec("situ_glu", 4.0, 25.0), GLUSpec("situ_glu", 2.0, 8.0), GLUSpec("
 
 
 def _act_args(act: GLUSpec) -> dict:
-    return dict(activation=act.name, beta_gate=act.beta_gate, beta_up=act.beta_up)
+    return {"activation": act.name, "beta_gate": act.beta_gate, "beta_up": act.beta_up}
 
 
 def _operands(rows: int, cols: int, n: int, dtype=jnp.bfloat16):

@@ -58,7 +58,7 @@ def _act_args(act: tuple[str, float, float]) -> dict:
     return dict(zip(_ACT_ARGS, act))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _launcher(name: str):
     """A kernel of :mod:`pallas_kernels.tiled_glu`, imported on first use (GPU-only modules stay
     out of CPU imports) and jitted once, so every MoE layer's call shares one lowering."""
