@@ -150,15 +150,15 @@ def max_vio(load: jax.Array) -> jax.Array:
 
 
 def balance_metrics(stats) -> dict:
-    """Per-layer MaxVio from a ``'balance_stats'`` tree: ``{"<path>/max_vio": array}``.
+    """Per-layer MaxVio from a ``'balance_stats'`` tree, keyed by the layer's path:
+    ``{"layer_1/ffn/bias": array}``.
 
     A scanned stack keeps its layer axis (``[L]``); loads themselves are ``stats[...]["load"]``.
     """
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
         if _stat_name(path) == "load":
-            prefix = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-            out[f"{prefix}/max_vio"] = max_vio(leaf)
+            out["/".join(str(getattr(k, "key", k)) for k in path[:-1])] = max_vio(leaf)
     return out
 
 

@@ -22,8 +22,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Nested dicts/tuples of arrays -> ``{"a/b/c": value}`` (scalars as floats, arrays as lists)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-        name = prefix + "/".join(p.strip("[]'\"") for p in parts)
+        name = prefix + "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                                 for k in path)
         arr = np.asarray(leaf)
         out[name] = float(arr) if arr.ndim == 0 else arr.astype(np.float64).tolist()
     return out

@@ -110,7 +110,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "aux_loss": out["aux"], "sum_nats": out["sum_nats"],
                    "tokens": total, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1),
-                   "finite": ok, "bad_steps": state["bad_steps"], "maxvio": _maxvio(out["stats"]), "diag": out["diag"]}
+                   "finite": ok, "bad_steps": state["bad_steps"], "maxvio": balancing.balance_metrics(out["stats"]), "diag": out["diag"]}
         return state, metrics
 
     return step
@@ -147,10 +147,3 @@ def _add_out(a: dict, b: dict) -> dict:
             "stats": stats, "diag": jax.tree.map(jnp.add, a["diag"], b["diag"])}
 
 
-def _maxvio(stats) -> dict:
-    """MaxVio per MoE layer (``[L]`` for a scanned stack), keyed by the layer's path."""
-    out = {}
-    for path, s in jax.tree_util.tree_flatten_with_path(stats, is_leaf=_is_stats)[0]:
-        if _is_stats(s):
-            out[jax.tree_util.keystr(path)] = balancing.max_vio(s["load"])
-    return out
