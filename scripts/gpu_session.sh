@@ -36,8 +36,9 @@ kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/kda_profile.jsonl" 2>&1
 }
-moe() {  # two GPUs: grouped-matmul GPU tests, then the target (ring step, 1 then 2 GPUs)
-  part gmm_gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_grouped_matmul_gpu.py
+moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
+  part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
+    tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py
   part moe_step 150 python3 benchmarks/moe.py --skip grouped_matmul,dispatch \
     --dispatches "${DISPATCHES:-ring,ring@1.125}" \
     --step-gmm mosaic --stacks "${STACKS:-unrolled}" --iters 5 --repeats 3 \
