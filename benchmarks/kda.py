@@ -109,7 +109,13 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
+def ours_mosaic_solve(q, k, v, g, beta):
+    from pallas_kernels.kda import kda_pallas
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, solve="mosaic")[0]
+
+
 JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": ours_xla_scores,
+           "ours_pallas_mosaic_solve": ours_mosaic_solve,
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
@@ -168,7 +174,8 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
                     help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
-                         "scores from XLA instead of the Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
+                         "scores from XLA instead of the Mosaic kernel), ours_pallas_mosaic_solve (the "
+                         "chunk inverse as a Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,

@@ -88,7 +88,7 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=64, interpret=False, scores="mosaic"):
+               chunk_size=64, interpret=False, scores="mosaic", solve="xla"):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -103,6 +103,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       scores: how the intra-chunk score matrices are built: ``"mosaic"`` (the Mosaic GPU kernel pair
         of :mod:`pallas_kernels.kda_scores`; on the H200 a quarter faster than XLA's, forward + VJP
         of the token-parallel part) or ``"xla"`` (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
+      solve: how the chunks' ``(I + L)^-1`` is formed: ``"xla"`` (a batched triangular solve) or
+        ``"mosaic"`` (:mod:`pallas_kernels.kda_solve`; opt-in until it has run on a GPU).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
@@ -111,7 +113,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
-                scores=scores, interpret=interpret)
+                scores=scores, solve=solve, interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)

@@ -35,6 +35,8 @@ from jax import lax
 
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
+from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
+from pallas_kernels.kda_solve import unit_lower_inverse
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 
@@ -116,10 +118,11 @@ def _segment_masks(segment_ids, b, nc, c):
 
 
 SCORES = ("xla", "mosaic")
+SOLVES = ("xla", "mosaic")
 
 
 def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: str = "xla",
-            interpret: bool = False) -> Prepared:
+            solve: str = "xla", interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype (computed
@@ -129,11 +132,17 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     ``scores`` picks how ``Aqk`` and ``Akk`` are built: ``"xla"`` (default, :func:`_tree_scores`) or
     ``"mosaic"`` (:func:`pallas_kernels.kda_scores.qk_kk_scores`, a Mosaic GPU kernel pair with bf16
     tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
+    ``solve`` picks how ``T = (I + L)^-1`` is formed: ``"xla"`` (default, a batched triangular
+    solve) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.unit_lower_inverse`; chunk 64).
     """
     if scores not in SCORES:
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
     if scores == "mosaic" and chunk_size != _SCORES_CHUNK:
         raise ValueError(f"prepare: scores='mosaic' needs chunk_size={_SCORES_CHUNK}, got {chunk_size}")
+    if solve not in SOLVES:
+        raise ValueError(f"prepare: solve must be one of {SOLVES}, got {solve!r}")
+    if solve == "mosaic" and chunk_size != _SOLVE_CHUNK:
+        raise ValueError(f"prepare: solve='mosaic' needs chunk_size={_SOLVE_CHUNK}, got {chunk_size}")
     f32, c = jnp.float32, chunk_size
     b, t, h, dk = q.shape
     q, k, v, g, beta = (pad_time(x.astype(f32), c) for x in (q, k, v, g, beta))
@@ -166,9 +175,12 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         kdecay = kdecay * leave[..., None]
         gamma = gamma * enter[..., -1:]
     lower = akk * bc  # L[r, j] = beta_r * akk[r, j]
-    eye = jnp.eye(c, dtype=f32)
-    tinv = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True,
-                                             unit_diagonal=True)
+    if solve == "mosaic":
+        tinv = unit_lower_inverse(lower.reshape(b, h, nc * c, c), interpret=interpret).reshape(lower.shape)
+    else:
+        eye = jnp.eye(c, dtype=f32)
+        tinv = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True,
+                                                 unit_diagonal=True)
     w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=_HI)
     u = jnp.matmul(tinv, bc * vc, precision=_HI)
 

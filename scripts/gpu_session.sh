@@ -26,12 +26,11 @@ peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
 kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
   part kda_gpu_tests 180 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 220 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+  part kda_bench 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla,fla --out "$OUT/kda.jsonl"
-  part kda_parts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,ours_pallas_xla_scores --shapes 8,4096,16,128 --breakdown \
-    --profile /tmp/kda_prof \
-    --out "$OUT/kda.jsonl"
+  part kda_parts 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,ours_pallas_mosaic_solve --shapes 8,4096,16,128 --breakdown \
+    --profile /tmp/kda_prof --out "$OUT/kda.jsonl"
   for d in /tmp/kda_prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/kda_profile.jsonl" 2>&1

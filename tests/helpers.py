@@ -75,3 +75,25 @@ def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str
     do = jax.random.normal(ks[6], (b, t, h, dv))
     dfin = jax.random.normal(ks[7], (b, h, dk, dv))
     return (q, k, v, bf16_rounded(g), bf16_rounded(beta), h0), do, dfin
+
+
+def kda_correlated_keys_case(t: int = 128, d: int = 64):
+    """Nearly parallel keys, ``beta = 0.99`` and almost no decay (bf16 grid): the strictly lower
+    ``L`` of a chunk has entries near 1 and ``L^32`` reaches ~1e16 although ``(I + L)^-1`` stays
+    bounded by 1 -- the regime where an inverse built from powers of ``L`` (Neumann or product
+    formulas, even in fp32) loses every digit, so a triangular solve or substitution is required.
+    Returns ``((q, k, v, g, beta, h0), d_out, d_final_state)``, one sequence and one head."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.PRNGKey(5), 7)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    shared = jax.random.normal(ks[0], (1, 1, 1, d))
+    k = bf16_rounded(unit(shared + 0.3 * jax.random.normal(ks[1], (1, t, 1, d))))
+    q = bf16_rounded(unit(jax.random.normal(ks[2], (1, t, 1, d))))
+    v = bf16_rounded(jax.random.normal(ks[3], (1, t, 1, d)))
+    g = bf16_rounded(jnp.full((1, t, 1, d), -1e-3))
+    beta = bf16_rounded(jnp.full((1, t, 1), 0.99))
+    h0 = jax.random.normal(ks[4], (1, 1, d, d))
+    do, dfin = jax.random.normal(ks[5], (1, t, 1, d)), jax.random.normal(ks[6], (1, 1, d, d))
+    return (q, k, v, g, beta, h0), do, dfin

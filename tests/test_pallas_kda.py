@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bf16_rounded, kda_bf16_case
+from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
@@ -29,14 +29,14 @@ def _loss(fn, do, dfin):
     return f
 
 
-def _check_all(args, seg, do, dfin, scores="xla"):
+def _check_all(args, seg, do, dfin, scores="xla", solve="xla"):
     dk = args[0].shape[-1]
     scale = dk**-0.5
     ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                      segment_ids=seg)
     ker = lambda q, k, v, g, beta, h0: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale,
                                                   initial_state=h0, segment_ids=seg, output_final_state=True,
-                                                  interpret=True, scores=scores)
+                                                  interpret=True, scores=scores, solve=solve)
     (ro, rf), (o, f) = ref(*args), ker(*args)
     assert o.dtype == jnp.bfloat16 and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
@@ -66,28 +66,10 @@ def test_prep_matches_reference_fp32_softplus_segments():
     assert rel_rms(rf, f) <= FP32_TOL
 
 
-def _correlated_keys_case(t=128, d=64):
-    """Nearly parallel keys, ``beta = 0.99`` and almost no decay (bf16 grid): the strictly lower
-    ``L`` of a chunk has entries near 1 and ``L^32`` reaches ~1e16 although ``(I + L)^-1`` stays
-    bounded by 1 -- the regime where an inverse built from powers of ``L`` (Neumann or product
-    formulas, even in fp32) loses every digit, so a triangular solve or substitution is required."""
-    ks = jax.random.split(jax.random.PRNGKey(5), 7)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    shared = jax.random.normal(ks[0], (1, 1, 1, d))
-    k = bf16_rounded(unit(shared + 0.3 * jax.random.normal(ks[1], (1, t, 1, d))))
-    q = bf16_rounded(unit(jax.random.normal(ks[2], (1, t, 1, d))))
-    v = bf16_rounded(jax.random.normal(ks[3], (1, t, 1, d)))
-    g = bf16_rounded(jnp.full((1, t, 1, d), -1e-3))
-    beta = bf16_rounded(jnp.full((1, t, 1), 0.99))
-    h0 = jax.random.normal(ks[4], (1, 1, d, d))
-    do, dfin = jax.random.normal(ks[5], (1, t, 1, d)), jax.random.normal(ks[6], (1, 1, d, d))
-    return (q, k, v, g, beta, h0), do, dfin
-
-
 def test_prep_matches_reference_fp32_correlated_keys():
     """The token-parallel part plus the plain-JAX state pass equals the recurrence (fp32) where
-    powers of ``L`` blow up (:func:`_correlated_keys_case`)."""
-    (q, k, v, g, beta, h0), _, _ = _correlated_keys_case()
+    powers of ``L`` blow up (:func:`kda_correlated_keys_case`)."""
+    (q, k, v, g, beta, h0), _, _ = kda_correlated_keys_case()
     chunk = np.asarray(k[0, :64, 0], np.float64)
     lower = np.tril(chunk @ chunk.T, -1) * 0.99
     assert np.abs(np.linalg.matrix_power(lower, 32)).max() > 1e12  # the hard regime is exercised
@@ -98,9 +80,9 @@ def test_prep_matches_reference_fp32_correlated_keys():
 
 
 def test_kda_pallas_correlated_keys_values_and_gradients():
-    """The kernels (Mosaic scores, interpreted) on :func:`_correlated_keys_case`: values and all six
+    """The kernels (Mosaic scores, interpreted) on :func:`kda_correlated_keys_case`: values and all six
     gradients within SPEC 10's bf16 tolerances."""
-    args, do, dfin = _correlated_keys_case()
+    args, do, dfin = kda_correlated_keys_case()
     _check_all(args, None, do, dfin, "mosaic")
 
 
