@@ -10,6 +10,10 @@ Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA), ``L`` is strictl
    ``D = diag(inv(P), inv(Q))``, on the tensor cores with each operand split into a bf16 high and
    low part (three WGMMAs per product, ~16 significant bits).
 
+The blocked design (exact small diagonal blocks, then ``D - D B D`` merges) is the one of fla's
+``solve_tril`` and of jax-linear-attention's Mosaic port, which also splits merge operands into bf16
+parts; the code here is written from the algebra above.
+
 Why no powers: with nearly parallel keys, ``beta`` near 1 and little decay, ``L^32`` reaches ~1e16
 while ``T`` stays bounded by 1, and inverses built from powers lose every digit even in fp32
 (docs/benchmarks.md; ``tests/test_pallas_kda.py`` runs that regime). Reference:
