@@ -38,15 +38,16 @@ kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
     tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py
-  part moe_step 150 python3 benchmarks/moe.py --skip grouped_matmul,dispatch \
+  part moe_step 190 python3 benchmarks/moe.py --skip grouped_matmul,dispatch \
     --dispatches "${DISPATCHES:-ring,ring@1.125}" \
     --step-gmm mosaic --stacks "${STACKS:-unrolled}" --iters 5 --repeats 3 \
     --profile /tmp/prof --out "$OUT/moe.jsonl"
   for d in /tmp/prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/moe_profile.jsonl" 2>&1
-  part moe_dispatch 80 python3 benchmarks/moe.py --skip grouped_matmul,step \
-    --dispatches ring,all_to_all --gmm mosaic --iters 5 --repeats 3 --out "$OUT/moe.jsonl"
+  part moe_dispatch 110 python3 benchmarks/moe.py --skip grouped_matmul,step \
+    --dispatches ring,all_to_all,ragged_all_to_all --gmm mosaic --iters 5 --repeats 3 \
+    --out "$OUT/moe.jsonl"
 }
 
 case "${1:-}" in
