@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # What one lent GPU session runs, in the order that matters, each part time-boxed, logs under $OUT.
 #
-#   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: kernel tests, KDA benchmark, k3_small
-#   bash scripts/gpu_session.sh two              # two H200s: the 1-vs-2-GPU MoE step
-#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: KDA tests and benchmark
+#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: KDA tests, benchmark, profiles
+#   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
+#   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
 # CORPUS_DIR: a corpus built by `python -m k3jax.data build ... --tokenizer bpe --vocab 16384` (the
 # machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
 # flash-linear-attention, jax-linear-attention) are installed from ./.whl when that folder exists.
-# Budgets add up to under 10 minutes per call, the device tool's limit.
+# Each mode is one device call: its boxes add up to under 10 minutes, the device tool's limit.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -53,7 +53,6 @@ moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (rin
 case "${1:-}" in
 one)
   corpus=${2:?usage: gpu_session.sh one CORPUS_DIR}
-  peers; kda
   export CUDA_VISIBLE_DEVICES=0
   part step_breakdown 140 python3 benchmarks/step_breakdown.py
   part k3_small 170 python3 train.py --config configs/k3_small.py --workdir /tmp/k3s \
@@ -65,5 +64,5 @@ two)
 kda)  # any lent kind, GPU 0: the KDA parts alone
   peers; kda ;;
 *)
-  echo "usage: gpu_session.sh one CORPUS_DIR | two | kda" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
