@@ -24,9 +24,9 @@ peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
   fi
 }
 kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
-  part kda_gpu_tests 180 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+  part kda_bench 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla,fla --out "$OUT/kda.jsonl"
   part kda_parts 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,ours_pallas_mosaic_solve --shapes 8,4096,16,128 --breakdown \
