@@ -6,10 +6,12 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
 
 
 def tiles(shape: tuple[int, ...]) -> plgpu.SMEM:
@@ -19,6 +21,11 @@ def tiles(shape: tuple[int, ...]) -> plgpu.SMEM:
     tiling serves all of them (WGMMA needs lhs and rhs swizzles to match).
     """
     return plgpu.SMEM(shape, BF16, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+    """Row (``dim=0``) or column (``dim=1``) indices of a WGMMA-layout int32 tile."""
+    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
 
 
 def load(ref, layout=WG) -> jax.Array:

@@ -39,22 +39,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, WG, kernel, load, matmul, shared_lowering, tiles
+from pallas_kernels._mgpu import BF16, COL, F32, iota, kernel, load, matmul, shared_lowering, tiles
 
 CHUNK = 64
 KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LEVELS = (32, 16, 8, 4, 2, 1)
-COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
-ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 # --------------------------------------------------------------------------- in-kernel helpers
-
-
-def _iota(dim: int, shape=(CHUNK, CHUNK)):
-    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
 
 
 def _siblings(s: int, rows, cols):
@@ -70,7 +64,7 @@ def _decay(g_ref, s: int, ch):
     The anchors' rows are picked by a select chain over the row's block of ``2s`` rows.
     """
     g = load(g_ref.at[:, ch])
-    rows = _iota(0, (CHUNK, KT))
+    rows = iota((CHUNK, KT), 0)
     blk = rows >> (s.bit_length())  # block of 2s rows
     anchor = None
     for m in range(CHUNK // (2 * s)):
@@ -105,7 +99,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
         plgpu.barrier_wait(bar)
         lhs_s = [b_s if w < 0 else a_s[w] for w in which]
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
-        rows, cols = _iota(0), _iota(1)
+        rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
 
         # Diagonal, exact in fp32.
         scores = []
@@ -166,7 +160,7 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
             plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
         plgpu.barrier_wait(bar)
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
-        rows, cols = _iota(0), _iota(1)
+        rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
         diag = rows == cols
 
         for ch in chs:
