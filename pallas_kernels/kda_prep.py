@@ -36,7 +36,7 @@ from jax import lax
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
 from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
-from pallas_kernels.kda_solve import unit_lower_inverse
+from pallas_kernels.kda_solve import unit_lower_inverse, unit_lower_inverse_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 
@@ -175,12 +175,9 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         kdecay = kdecay * leave[..., None]
         gamma = gamma * enter[..., -1:]
     lower = akk * bc  # L[r, j] = beta_r * akk[r, j]
-    if solve == "mosaic":
-        tinv = unit_lower_inverse(lower.reshape(b, h, nc * c, c), interpret=interpret).reshape(lower.shape)
-    else:
-        eye = jnp.eye(c, dtype=f32)
-        tinv = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True,
-                                                 unit_diagonal=True)
+    inverse = (lambda x: unit_lower_inverse(x, interpret=interpret)) if solve == "mosaic" \
+        else unit_lower_inverse_reference
+    tinv = inverse(lower.reshape(b, h, nc * c, c)).reshape(lower.shape)
     w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=_HI)
     u = jnp.matmul(tinv, bc * vc, precision=_HI)
 

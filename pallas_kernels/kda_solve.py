@@ -30,16 +30,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, WG, kernel, load, matmul, shared_lowering, tiles
+from pallas_kernels._mgpu import BF16, COL, F32, iota, kernel, load, matmul, shared_lowering, tiles
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
-COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
 _HI = lax.Precision.HIGHEST
 
 
 def unit_lower_inverse_reference(lower):
-    """``(I + L)^-1`` per chunk by a triangular solve in fp32: ``[B, H, Tp, C]`` -> same."""
+    """``(I + L)^-1`` per chunk by a triangular solve in fp32 (XLA): ``[B, H, Tp, C]`` -> same;
+    entries on or above the diagonal are not read."""
     nb, h, tp, c = lower.shape
     m = jnp.eye(c, dtype=F32) + lower.astype(F32).reshape(nb, h, tp // c, c, c)
     eye = jnp.broadcast_to(jnp.eye(c, dtype=F32), m.shape)
@@ -47,14 +47,10 @@ def unit_lower_inverse_reference(lower):
     return t.reshape(lower.shape)
 
 
-def _iota(shape, dim):
-    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
-
-
 def _diagonal_blocks_inverse(l_s, s_s):
     """``[C, 16]`` fp32: row ``i`` holds row ``i mod 16`` of the inverse of ``i``'s diagonal block."""
     tile = (CHUNK, BLOCK)
-    rows, cols = _iota(tile, 0), _iota(tile, 1)
+    rows, cols = iota(tile, 0), iota(tile, 1)
     offset, block = rows & (BLOCK - 1), rows >> 4
     ldiag = None                    # ldiag[i, j] = L[i, 16 block(i) + j]
     for b in range(CHUNK // BLOCK):
@@ -96,12 +92,12 @@ def _inverse_call(lower, *, interpret):
         plgpu.copy_gmem_to_smem(l_ref.at[bi, hi, tok], l_s, bar)
         plgpu.barrier_wait(bar)
         s = _diagonal_blocks_inverse(l_s, s_s)
-        block = _iota((CHUNK, BLOCK), 0) >> 4
+        block = iota((CHUNK, BLOCK), 0) >> 4
         for b in range(CHUNK // BLOCK):   # D1 = diag(inverses of the 16x16 blocks)
             d_s.at[:, pl.ds(BLOCK * b, BLOCK)][...] = jnp.where(block == b, s, 0.0)
         plgpu.commit_smem()
         d, lower_full = load(d_s), load(l_s)
-        rb, cb = _iota(full, 0) >> 4, _iota(full, 1) >> 4
+        rb, cb = iota(full, 0) >> 4, iota(full, 1) >> 4
         split = (x_hi_s, x_lo_s, y_hi_s, y_lo_s)
         # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left 32x32 quadrant.
         for below in ((rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2)):
@@ -143,17 +139,15 @@ _inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 def unit_lower_inverse(lower, *, interpret: bool = False):
     """``(I + L)^-1`` per chunk of 64 rows: ``lower [B, H, Tp, 64]`` (row ``t`` holds chunk-local
-    row ``t mod 64`` of a strictly lower-triangular ``L``; entries on or above the diagonal are
-    ignored), fp32 -> same shape, fp32. Differentiable in ``lower`` (gradient on its strictly lower
-    entries; the backward is two batched fp32 matmuls)."""
+    row ``t mod 64`` of a strictly lower-triangular ``L``; the kernel never reads entries on or
+    above the diagonal), fp32 -> same shape, fp32. Differentiable in ``lower`` (gradient on its
+    strictly lower entries; the backward is two batched fp32 matmuls)."""
     if lower.ndim != 4 or lower.shape[3] != CHUNK or lower.shape[2] % CHUNK:
         raise ValueError(f"unit_lower_inverse: lower must be [B, H, Tp, {CHUNK}] with Tp a multiple "
                          f"of {CHUNK}, got {lower.shape}")
     if not jnp.issubdtype(lower.dtype, jnp.floating):
         raise ValueError(f"unit_lower_inverse: lower must be floating point, got {lower.dtype}")
-    strict = jnp.tril(jnp.ones((CHUNK, CHUNK), bool), -1)
-    rows = jnp.tile(strict, (lower.shape[2] // CHUNK, 1))
-    return _inverse(jnp.where(rows, lower.astype(F32), 0.0), interpret)
+    return _inverse(lower.astype(F32), interpret)
 
 
 __all__ = ["CHUNK", "unit_lower_inverse", "unit_lower_inverse_reference"]
