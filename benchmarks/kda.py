@@ -19,6 +19,7 @@ DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take the time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -70,14 +71,10 @@ def jax_pair(op, args):
     return time_jax(fwd, args), time_jax(fb, args)
 
 
-def ours(q, k, v, g, beta):
+def ours(q, k, v, g, beta, **options):
+    """Our Pallas op; ``options`` (``scores``, ``solve``) pick its non-default paths."""
     from pallas_kernels.kda import kda_pallas
-    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
-
-
-def ours_xla_scores(q, k, v, g, beta):
-    from pallas_kernels.kda import kda_pallas
-    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, scores="xla")[0]
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, **options)[0]
 
 
 def chunked(q, k, v, g, beta):
@@ -109,13 +106,8 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
-def ours_mosaic_solve(q, k, v, g, beta):
-    from pallas_kernels.kda import kda_pallas
-    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, solve="mosaic")[0]
-
-
-JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": ours_xla_scores,
-           "ours_pallas_mosaic_solve": ours_mosaic_solve,
+JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours, scores="xla"),
+           "ours_pallas_mosaic_solve": functools.partial(ours, solve="mosaic"),
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
