@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What one lent GPU session runs, in the order that matters, each part time-boxed, logs under $OUT.
 #
-#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: KDA tests, benchmark, profiles
+#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: solve test, one shape vs peers, profiles
+#   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, all shapes vs peers
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
@@ -23,17 +24,27 @@ peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
 }
-kda() {  # one GPU: the KDA kernels' GPU tests and the side-by-side benchmark
-  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,jla,fla --out "$OUT/kda.jsonl"
-  part kda_parts 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,ours_pallas_mosaic_solve --shapes 8,4096,16,128 --breakdown \
+kda() {  # one GPU: the new Mosaic solve's GPU test, then ours vs the peers at one shape, profiled
+  part kda_solve_test 120 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
+  # Traces (and XLA's optimised HLO, to name the fusions) of jla and our default at one shape.
+  part kda_profiled 200 env CUDA_VISIBLE_DEVICES=0 \
+    XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" \
+    python3 benchmarks/kda.py --impls jla,ours_pallas --shapes 8,4096,16,128 \
     --profile /tmp/kda_prof --out "$OUT/kda.jsonl"
+  part kda_more 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas_mosaic_solve,fla --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
   for d in /tmp/kda_prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/kda_profile.jsonl" 2>&1
+  (cd /tmp/hlo 2>/dev/null && ls | grep "after_optimizations.txt$" \
+    | tar -czf "$OUT/kda_hlo.tgz" -T -)
+}
+kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
+  part kda_gpu_tests 300 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
+  part kda_bench 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls jla,fla,ours_pallas --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
@@ -61,8 +72,10 @@ one)
   cp /tmp/k3s/metrics.jsonl "$OUT/k3_small_metrics.jsonl" 2>/dev/null ;;
 two)
   moe ;;
-kda)  # any lent kind, GPU 0: the KDA parts alone
+kda)  # any lent kind, GPU 0
   peers; kda ;;
+kda_full)
+  peers; kda_full ;;
 *)
-  echo "usage: gpu_session.sh kda | two | one CORPUS_DIR" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | kda_full | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
