@@ -107,7 +107,7 @@ def fla_pair(args):
 
 
 JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours, scores="xla"),
-           "ours_pallas_mosaic_solve": functools.partial(ours, solve="mosaic"),
+           "ours_pallas_xla_solve": functools.partial(ours, solve="xla"),
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
@@ -166,8 +166,8 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
                     help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
-                         "scores from XLA instead of the Mosaic kernel), ours_pallas_mosaic_solve (the "
-                         "chunk inverse as a Mosaic kernel), ours_chunked_jax, jla, fla (run in this "
+                         "scores from XLA instead of the Mosaic kernel), ours_pallas_xla_solve (the "
+                         "chunk inverse by XLA's triangular solve), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,

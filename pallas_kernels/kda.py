@@ -88,7 +88,7 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=64, interpret=False, scores="mosaic", solve="xla"):
+               chunk_size=64, interpret=False, scores="mosaic", solve="mosaic"):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -103,8 +103,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       scores: how the intra-chunk score matrices are built: ``"mosaic"`` (the Mosaic GPU kernel pair
         of :mod:`pallas_kernels.kda_scores`; on the H200 a quarter faster than XLA's, forward + VJP
         of the token-parallel part) or ``"xla"`` (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
-      solve: how the chunks' ``(I + L)^-1`` is formed: ``"xla"`` (a batched triangular solve) or
-        ``"mosaic"`` (:mod:`pallas_kernels.kda_solve`; opt-in until it has run on a GPU).
+      solve: how the chunks' ``(I + L)^-1`` is formed: ``"mosaic"`` (:mod:`pallas_kernels.kda_solve`,
+        one CTA per chunk; on the H200 forward + backward 12% faster than XLA's at (8, 4096, 16, 128))
+        or ``"xla"`` (a batched triangular solve).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.

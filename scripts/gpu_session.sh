@@ -8,7 +8,7 @@
 #
 # CORPUS_DIR: a corpus built by `python -m k3jax.data build ... --tokenizer bpe --vocab 16384` (the
 # machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
-# flash-linear-attention, jax-linear-attention) are installed from ./.whl when that folder exists.
+# flash-linear-attention, jax-linear-attention) are installed from $WHEELS (default ./.whl).
 # Each mode is one device call: its boxes add up to under 10 minutes, the device tool's limit.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -18,14 +18,17 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 part() { local name=$1 secs=$2; shift 2; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1;
          echo "[$name] rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-200)"; }
 
-peers() {  # the KDA benchmark's peers, from wheels carried in ./.whl
-  if [ -d .whl ]; then
-    python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+peers() {  # the KDA benchmark's peers, from wheels carried in $WHEELS (default ./.whl)
+  local wheels=${WHEELS:-.whl}
+  if [ -d "$wheels" ]; then
+    python3 -m pip install --no-index --no-deps --target /tmp/site "$wheels"/*.whl > "$OUT/pip.log" 2>&1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
+  else
+    echo "no wheels folder $wheels: the peers will be missing" > "$OUT/pip.log"
   fi
 }
-kda() {  # one GPU: the new Mosaic solve's GPU test, then ours vs the peers at one shape, profiled
-  part kda_solve_test 120 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+kda() {  # one GPU: the GPU tests of the defaults, then ours vs the peers at one shape, profiled
+  part kda_solve_test 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
   # Traces (and XLA's optimised HLO, to name the fusions) of jla and our default at one shape.
   part kda_profiled 200 env CUDA_VISIBLE_DEVICES=0 \
@@ -33,7 +36,7 @@ kda() {  # one GPU: the new Mosaic solve's GPU test, then ours vs the peers at o
     python3 benchmarks/kda.py --impls jla,ours_pallas --shapes 8,4096,16,128 \
     --profile /tmp/kda_prof --out "$OUT/kda.jsonl"
   part kda_more 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas_mosaic_solve,fla --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
+    --impls ours_pallas_xla_solve,fla --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
   for d in /tmp/kda_prof/*/; do
     echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
   done > "$OUT/kda_profile.jsonl" 2>&1

@@ -28,9 +28,9 @@ NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
 @pytest.mark.parametrize("d,t,gate,segments,scores,solve", [
-    # the defaults (Mosaic scores, XLA solve), the opt-in Mosaic solve, then the plain-JAX scores
-    (128, 2048, "softplus", True, "mosaic", "xla"), (64, 777, "lower_bound", True, "mosaic", "xla"),
-    (128, 2048, "softplus", True, "mosaic", "mosaic"),
+    # the defaults (Mosaic scores and solve), XLA's solve, then the plain-JAX scores
+    (128, 2048, "softplus", True, "mosaic", "mosaic"), (64, 777, "lower_bound", True, "mosaic", "mosaic"),
+    (128, 2048, "softplus", True, "mosaic", "xla"),
     (128, 1000, "lower_bound", False, "xla", "xla"), (64, 777, "softplus", True, "xla", "xla")])
 def test_values_and_gradients_on_gpu(d, t, gate, segments, scores, solve):
     args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
