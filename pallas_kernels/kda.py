@@ -3,8 +3,10 @@
 ``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
 chunked form of SPEC 3.3, in three parts:
 
-1. :func:`pallas_kernels.kda_prep.prepare` (plain JAX under XLA): padding, segment masks, the gates'
-   chunk-local cumsum, the intra-chunk score matrices, the triangular inverse, ``W, U, Qg, Kg``.
+1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): padding, segment masks, the
+   gates' chunk-local cumsum, ``W, U, Qg, Kg`` under XLA; the intra-chunk score matrices
+   (:mod:`pallas_kernels.kda_scores`) and the chunk inverse (:mod:`pallas_kernels.kda_solve`) as
+   Mosaic GPU kernels with their own VJPs (``scores="xla"``, ``solve="xla"`` compute them in XLA).
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.
