@@ -10,11 +10,13 @@
 # machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
 # flash-linear-attention, jax-linear-attention) are installed from $WHEELS (default ./.whl).
 # Each mode is one device call: its boxes add up to under 10 minutes, the device tool's limit.
+# To run a commit rather than the working tree, run it in a snapshot that names its commit:
+#   git archive HEAD | tar -x -C SNAP && git rev-parse HEAD > SNAP/COMMIT
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
 part() { local name=$1 secs=$2; shift 2; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1;
          echo "[$name] rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-200)"; }
 
