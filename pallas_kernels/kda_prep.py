@@ -122,7 +122,7 @@ SOLVES = ("xla", "mosaic")
 
 
 def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: str = "xla",
-            solve: str = "xla", interpret: bool = False) -> Prepared:
+            solve: str = "xla", score_anchors: str = "select", interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype (computed
@@ -134,6 +134,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
     ``solve`` picks how ``T = (I + L)^-1`` is formed: ``"xla"`` (default, a batched triangular
     solve) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.unit_lower_inverse`; chunk 64).
+    ``score_anchors`` is the Mosaic scores kernels' ``anchors`` option (``"select"`` or ``"matmul"``).
     """
     if scores not in SCORES:
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
@@ -159,7 +160,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     if scores == "mosaic":
         heads_major = lambda x: x.reshape(b, h, nc * c, dk)  # noqa: E731  [B, H, NC, C, K] -> [B, H, Tp, K]
         aqk, akk = qk_kk_scores(heads_major(qc * scale), heads_major(kc), heads_major(g_cum),
-                                interpret=interpret)
+                                anchors=score_anchors, interpret=interpret)
         aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
     else:
         aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)

@@ -24,6 +24,10 @@ Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient is
 ``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
 
+Anchors: each level needs ``G[p(x)]`` for every row; ``anchors="select"`` picks them with a chain of
+selects over the level's blocks, ``anchors="matmul"`` as ``P_s G`` with a 0/1 matrix ``P_s`` and ``G``
+split into three bf16 parts (one nonzero product per entry, so exact to fp32 rounding).
+
 Layout: one CTA (one warpgroup) per ``(chunk, head, batch)``; the key channels are handled in tiles
 of 64 (``K`` in {64, 128}). Inputs arrive by TMA in plain SMEM; the scaled operands of each level
 are written to swizzled bf16 SMEM tiles for WGMMA.
@@ -46,6 +50,8 @@ KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LEVELS = (32, 16, 8, 4, 2, 1)
+ANCHORS = ("select", "matmul")
+SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits)
 
 
 # --------------------------------------------------------------------------- in-kernel helpers
@@ -58,18 +64,40 @@ def _siblings(s: int, rows, cols):
     return (rb == (jb | 1)) & ((jb & 1) == 0)
 
 
-def _decay(g_ref, s: int, ch):
-    """``[C, KT]`` fp32 ``E[x] = exp(-|G_x - G_p(x)|)`` for level ``s`` (module docstring), channels ``ch``.
-
-    The anchors' rows are picked by a select chain over the row's block of ``2s`` rows.
-    """
-    g = load(g_ref.at[:, ch])
-    rows = iota((CHUNK, KT), 0)
-    blk = rows >> (s.bit_length())  # block of 2s rows
+def _anchors_by_select(g_ref, s: int, ch):
+    """``[C, KT]`` fp32: row ``x`` holds ``G[p(x)]``, level ``s``'s anchor row (module docstring),
+    channels ``ch``, picked by a chain of ``C / 2s`` selects over the blocks of ``2s`` rows."""
+    blk = iota((CHUNK, KT), 0) >> (s.bit_length())
     anchor = None
     for m in range(CHUNK // (2 * s)):
         row = lax.broadcast_in_dim(load(g_ref.at[2 * s * m + s, ch], COL), (CHUNK, KT), (1,))
         anchor = row if anchor is None else jnp.where(blk == m, row, anchor)
+    return anchor
+
+
+def _anchor_matrix(s: int):
+    """``[C, C]`` bf16 0/1 matrix ``P_s`` with ``P_s[x, p(x)] = 1``: ``P_s G`` picks the anchors."""
+    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+    lg = s.bit_length()
+    return jnp.where(cols == ((rows >> lg) << lg) + s, 1.0, 0.0).astype(BF16)
+
+
+def _store_split(value, parts):
+    """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` (exact for three)."""
+    for part_ref in parts:
+        part = value.astype(BF16)
+        part_ref[...] = part
+        value = value - part.astype(F32)
+
+
+def _anchors_by_matmul(p_ref, parts):
+    """As :func:`_anchors_by_select`, as ``P_s G`` on the tensor cores: one nonzero product per
+    entry and bf16 parts that sum to ``G``, so the anchors are ``G``'s rows to fp32 rounding."""
+    return matmul((CHUNK, KT), *[(p_ref, part) for part in parts])
+
+
+def _decay(g, anchor):
+    """``[C, KT]`` fp32 ``E[x] = exp(-|G_x - G_p(x)|)`` from ``G`` and the anchors' rows."""
     d = g - anchor
     return jnp.exp(jnp.minimum(d, -d))
 
@@ -81,7 +109,7 @@ def _channels(dk: int):
 # --------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
+def _fwd_call(lhs, b, g, *, which, out_dtype, anchors, interpret):
     """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``)."""
     nb, h, tp, dk = b.shape
     nl, nh, chs = len(lhs), dk // KT, _channels(dk)
@@ -91,7 +119,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
         a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         outs, refs = refs[:len(which)], refs[len(which):]
         a_s, (b_s, g_s, bp_s), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
-        ap_s, bar = refs[:nl], refs[nl]
+        ap_s, bar, refs = refs[:nl], refs[nl], refs[nl + 1:]
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in zip((*a_refs, b_ref, g_ref), (*a_s, b_s, g_s)):
@@ -107,10 +135,19 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
             dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(b_s.at[:, ch]).astype(F32), axis=1)
                       for ch in chs)
             scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
+        if anchors == "matmul":
+            p_s, g_parts = refs[0], refs[1:]
+            for t, ch in enumerate(chs):
+                _store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
         # Off-diagonal, one anchored level at a time.
         for s in LEVELS:
+            if anchors == "matmul":
+                p_s[...] = _anchor_matrix(s)
+                plgpu.commit_smem()
             for t, ch in enumerate(chs):
-                e = _decay(g_s, s, ch)
+                anchor = (_anchors_by_matmul(p_s, [part.at[t] for part in g_parts]) if anchors == "matmul"
+                          else _anchors_by_select(g_s, s, ch))
+                e = _decay(load(g_s.at[:, ch]), anchor)
                 bp_s.at[t][...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
                     ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
@@ -128,6 +165,8 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
         tiles((nh, CHUNK, KT)),  # b E, per channel tile
         *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
         plgpu.Barrier(num_arrivals=nl + 2),
+        *((tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)))  # P_s, G parts
+          if anchors == "matmul" else ()),
     )
     run = kernel(body, "kda_scores_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
@@ -137,7 +176,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
 # --------------------------------------------------------------------------- backward kernel
 
 
-def _bwd_call(lhs, b, g, dss, *, which, interpret):
+def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
     """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``.
 
     ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``).
@@ -154,6 +193,7 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         a_s, (b_s, g_s), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         ds_s, refs = refs[:no], refs[no:]
         bp_s, ap_s, dsl_s, bar = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no], refs[1 + nl + no]
+        p_s, g_parts = (refs[2 + nl + no], refs[3 + nl + no:]) if anchors == "matmul" else (None, ())
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in zip((*a_refs, b_ref, g_ref, *ds_refs), (*a_s, b_s, g_s, *ds_s)):
@@ -166,8 +206,16 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         for ch in chs:
             da = [None] * no  # row side, per output
             db = None  # column side
+            g_ch = load(g_s.at[:, ch])
+            if anchors == "matmul":
+                _store_split(g_ch, g_parts)
             for s in LEVELS:
-                e = _decay(g_s, s, ch)
+                if anchors == "matmul":
+                    p_s[...] = _anchor_matrix(s)
+                    plgpu.commit_smem()
+                    e = _decay(g_ch, _anchors_by_matmul(p_s, g_parts))
+                else:
+                    e = _decay(g_ch, _anchors_by_select(g_s, s, ch))
                 bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
                     ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
@@ -207,14 +255,16 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         *(tiles((CHUNK, KT)) for _ in range(nl)),  # a E
         *(tiles((CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
         plgpu.Barrier(num_arrivals=nl + 2 + no),
+        *((tiles((CHUNK, CHUNK)), *(tiles((CHUNK, KT)) for _ in range(SPLITS)))  # P_s, G parts
+          if anchors == "matmul" else ()),
     )
     run = kernel(body, "kda_scores_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(*lhs, b, g, *dss)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype"))
-_bwd_jit = shared_lowering(_bwd_call, ("which",))
+_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype", "anchors"))
+_bwd_jit = shared_lowering(_bwd_call, ("which", "anchors"))
 
 
 # --------------------------------------------------------------------------- differentiable op
@@ -224,27 +274,29 @@ def _bf16(x):
     return x.astype(BF16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _scores(lhs, b, g, which, out_dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _scores(lhs, b, g, which, out_dtype, anchors, interpret):
     return _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), which=which, out_dtype=out_dtype,
-                    interpret=interpret)
+                    anchors=anchors, interpret=interpret)
 
 
-def _scores_fwd(lhs, b, g, which, out_dtype, interpret):
-    return _scores(lhs, b, g, which, out_dtype, interpret), (lhs, b, g)
+def _scores_fwd(lhs, b, g, which, out_dtype, anchors, interpret):
+    return _scores(lhs, b, g, which, out_dtype, anchors, interpret), (lhs, b, g)
 
 
-def _scores_bwd(which, out_dtype, interpret, res, dss):
+def _scores_bwd(which, out_dtype, anchors, interpret, res, dss):
     lhs, b, g = res
     *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), which=which,
-                           interpret=interpret)
+                           anchors=anchors, interpret=interpret)
     return (tuple(d.astype(x.dtype) for d, x in zip(da, lhs)), db.astype(b.dtype), dg.astype(g.dtype))
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-def _check(name: str, b, g, lhs, out_dtype):
+def _check(name: str, b, g, lhs, out_dtype, anchors):
+    if anchors not in ANCHORS:
+        raise ValueError(f"{name}: anchors must be one of {ANCHORS}, got {anchors!r}")
     shape = b.shape
     if len(shape) != 4 or shape[2] % CHUNK or shape[3] not in HEAD_DIMS:
         raise ValueError(f"{name}: b (or k) must be [B, H, Tp, K] with Tp a multiple of {CHUNK} and K in "
@@ -259,7 +311,7 @@ def _check(name: str, b, g, lhs, out_dtype):
         raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
 
 
-def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
+def scores(a, b, g_cum, *, out_dtype=jnp.float32, anchors: str = "select", interpret: bool = False):
     """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` in each chunk of 64 rows, else 0.
 
     Args:
@@ -267,25 +319,29 @@ def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
         tensor cores (pass bf16-representable values for exact operands).
       g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay (non-increasing within a chunk), fp32.
       out_dtype: fp32 or bf16.
+      anchors: how each level's anchor rows ``G[p(x)]`` are gathered: ``"select"`` (a chain of
+        selects, up to 32 per level) or ``"matmul"`` (``P_s G`` on the tensor cores, ``G`` split into
+        three bf16 parts; an experiment for the H200 -- the chain is the kernels' largest code).
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
       ``[B, H, Tp, 64]`` (row ``t`` holds chunk-local row ``t mod 64``). Differentiable in ``a, b,
       g_cum`` (backward: a Mosaic GPU kernel); cotangents come back in the inputs' dtypes.
     """
-    _check("scores", b, g_cum, (a,), out_dtype)
-    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), interpret)
+    _check("scores", b, g_cum, (a,), out_dtype, anchors)
+    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), anchors, interpret)
     return s
 
 
-def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
+def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, anchors: str = "select",
+                 interpret: bool = False):
     """``(scores(q, k, g_cum), scores(k, k, g_cum))`` in one kernel call (shared decays and loads).
 
     ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`; the
     second result includes the diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
     """
-    _check("qk_kk_scores", k, g_cum, (q,), out_dtype)
-    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), interpret)
+    _check("qk_kk_scores", k, g_cum, (q,), out_dtype, anchors)
+    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), anchors, interpret)
 
 
 def scores_reference(a, b, g_cum):
