@@ -72,7 +72,7 @@ def jax_pair(op, args):
 
 
 def ours(q, k, v, g, beta, **options):
-    """Our Pallas op; ``options`` (``scores``, ``solve``) pick its non-default paths."""
+    """Our Pallas op; ``options`` (``scores``, ``solve``, ``score_anchors``) pick its non-default paths."""
     from pallas_kernels.kda import kda_pallas
     return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, **options)[0]
 
@@ -108,6 +108,7 @@ def fla_pair(args):
 
 JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours, scores="xla"),
            "ours_pallas_xla_solve": functools.partial(ours, solve="xla"),
+           "ours_pallas_matmul_anchors": functools.partial(ours, score_anchors="matmul"),
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
@@ -167,7 +168,8 @@ def main(argv=None):
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
                     help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
                          "scores from XLA instead of the Mosaic kernel), ours_pallas_xla_solve (the "
-                         "chunk inverse by XLA's triangular solve), ours_chunked_jax, jla, fla (run in this "
+                         "chunk inverse by XLA's triangular solve), ours_pallas_matmul_anchors (the "
+                         "scores kernels' anchor rows by a matmul), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
@@ -215,6 +217,11 @@ def main(argv=None):
                 emit({"impl": name, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
             emit(_record(name, shape, r, results.get(("ours_pallas", shape)), dev))
+    for (name, shape), r in results.items():  # peers timed before ours get their ratio here
+        base = results.get(("ours_pallas", shape))
+        if base is not None and name != "ours_pallas":
+            emit({"impl": name, "shape": list(shape), "fwd_ratio_vs_ours": round(r[0] / base[0], 3),
+                  "fwd_bwd_ratio_vs_ours": round(r[1] / base[1], 3)})
     print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
     for shape in shapes:
         cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-" for n in a.impls.split(",")]

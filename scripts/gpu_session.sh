@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one lent GPU session runs, in the order that matters, each part time-boxed, logs under $OUT.
 #
-#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: solve test, one shape vs peers, profiles
+#   bash scripts/gpu_session.sh kda              # any kind, GPU 0: scores kernels' tests, parts, peers
 #   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, all shapes vs peers
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
@@ -29,21 +29,14 @@ peers() {  # the KDA benchmark's peers, from wheels carried in $WHEELS (default 
     echo "no wheels folder $wheels: the peers will be missing" > "$OUT/pip.log"
   fi
 }
-kda() {  # one GPU: the GPU tests of the defaults, then ours vs the peers at one shape, profiled
-  part kda_solve_test 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
-  # Traces (and XLA's optimised HLO, to name the fusions) of jla and our default at one shape.
-  part kda_profiled 200 env CUDA_VISIBLE_DEVICES=0 \
-    XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" \
-    python3 benchmarks/kda.py --impls jla,ours_pallas --shapes 8,4096,16,128 \
-    --profile /tmp/kda_prof --out "$OUT/kda.jsonl"
-  part kda_more 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas_xla_solve,fla --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
-  for d in /tmp/kda_prof/*/; do
-    echo "{\"profile\": \"$(basename "$d")\"}"; python3 benchmarks/profile_top.py "$d" --top 40
-  done > "$OUT/kda_profile.jsonl" 2>&1
-  (cd /tmp/hlo 2>/dev/null && ls | grep "after_optimizations.txt$" \
-    | tar -czf "$OUT/kda_hlo.tgz" -T -)
+kda() {  # one GPU: the scores kernels' GPU tests and ablations, ours vs the peers, one profile
+  part kda_scores_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "128-2048-softplus-True-mosaic-mosaic"
+  part kda_scores_parts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
+    --out "$OUT/kda_scores.jsonl"
+  part kda_bench 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls jla,fla,ours_pallas,ours_pallas_matmul_anchors --shapes 1,8192,16,128 8,4096,16,128 \
+    --out "$OUT/kda.jsonl"
 }
 kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
   part kda_gpu_tests 300 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \

@@ -65,3 +65,14 @@ def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
     (timed,) = [r for r in rows if "fwd_ms" in r]
     assert timed["impl"] == "ours_chunked_jax" and timed["fwd_bwd_ms"] > 0
     assert list((tmp_path / "ours_chunked_jax").glob("**/*.xplane.pb"))
+
+
+def test_kda_scores_variants_lower_for_sm90():
+    """Every variant of the scores-kernel benchmark lowers for an sm_90 target (the ablations swap
+    helpers of the kernel module while tracing: each must change the kernel it lowers)."""
+    rows = _run(["benchmarks/kda_scores.py", "--lower-only", "--shape", "1,128,2,64"])
+    sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}
+    variants = {v for v, _ in sizes}
+    assert {"select", "matmul"} < variants and len(sizes) == 2 * len(variants)
+    for kernel in ("fwd", "bwd"):
+        assert len({size for (_, k), size in sizes.items() if k == kernel}) == len(variants)

@@ -1,0 +1,126 @@
+"""Where the KDA scores kernels spend their time: the kernel pair alone, and with parts taken out.
+
+The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) are half of ``kda_pallas``'s
+forward + backward on the H200 (docs/benchmarks.md, fifth session), far more than their loads,
+stores and WGMMAs account for. This times the forward kernel (``Aqk`` and ``Akk``) and the backward
+kernel alone at one shape, jitted, median of 5 x 10 calls, for:
+
+- ``select`` / ``matmul``: the two real ``anchors`` options (correct results);
+- ablations, **timing only, wrong results**: each swaps one helper of the kernel module while it is
+  traced, to show what that part costs: ``no_anchor_chain`` (anchors = the row itself, so no select
+  chain), ``no_exp`` (the decay without its exponential), ``one_level`` (the level-32 WGMMAs only, of
+  six levels), ``no_decay`` (neither anchors nor exponentials).
+
+One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms", "shape"}`` (or an
+``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
+size of each lowered module (the serialized Mosaic GPU kernel dominates it).
+
+    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants select,matmul,...]
+                                                 [--lower-only] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from _timing import emit, timed
+from pallas_kernels import kda_scores
+from pallas_kernels._mgpu import load
+
+F32 = jnp.float32
+
+
+def _row_itself(g_ref, s, ch):
+    return load(g_ref.at[:, ch])
+
+
+ABLATIONS = {  # variant -> (anchors option, {kernel-module attribute: stand-in})
+    "select": ("select", {}),
+    "matmul": ("matmul", {}),
+    "no_anchor_chain": ("select", {"_anchors_by_select": _row_itself}),
+    "no_exp": ("select", {"_decay": lambda g, anchor: g - anchor}),
+    "one_level": ("select", {"LEVELS": (32,)}),
+    "no_decay": ("select", {"_anchors_by_select": _row_itself, "_decay": lambda g, anchor: g}),
+}
+
+
+@contextlib.contextmanager
+def _swapped(attrs: dict):
+    """The kernel module with ``attrs`` replaced (while a variant is traced and compiled)."""
+    saved = {name: getattr(kda_scores, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(kda_scores, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(kda_scores, name, value)
+
+
+def _kernels(anchors: str):
+    """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
+    fwd = jax.jit(lambda q, k, g: kda_scores._fwd_call(  # noqa: E731
+        (q,), k, g, which=(0, -1), out_dtype=jnp.dtype(F32), anchors=anchors, interpret=False))
+    bwd = jax.jit(lambda q, k, g, d1, d2: kda_scores._bwd_call(  # noqa: E731
+        (q,), k, g, (d1, d2), which=(0, -1), anchors=anchors, interpret=False))
+    return fwd, bwd
+
+
+def _inputs(b, t, h, d):
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = (unit(jax.random.normal(ks[0], (b, h, t, d))) * d**-0.5).astype(jnp.bfloat16)
+    k = unit(jax.random.normal(ks[1], (b, h, t, d))).astype(jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[2], (b, h, t // 64, 64, d)))
+    g_cum = jnp.cumsum(g, axis=-2).reshape(b, h, t, d)
+    ds = tuple(jax.random.normal(key, (b, h, t, 64)) for key in ks[3:])
+    return (q, k, g_cum), ds
+
+
+def run_variant(name: str, shape, lower_only: bool) -> list[dict]:
+    anchors, attrs = ABLATIONS[name]
+    (q, k, g), ds = _inputs(*shape)
+    fwd, bwd = _kernels(anchors)
+    out = []
+    with _swapped(attrs):
+        for kernel, fn, args in (("fwd", fwd, (q, k, g)), ("bwd", bwd, (q, k, g, *ds))):
+            rec = {"variant": name, "kernel": kernel, "shape": list(shape)}
+            try:
+                if lower_only:
+                    lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
+                    rec["module_chars"] = len(lowered.as_text())  # a rough measure of code size
+                else:
+                    rec["ms"] = round(timed(fn, args, iters=10, repeats=5), 4)
+            except Exception as e:  # a variant that does not lower or run: say why, go on
+                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+            out.append(rec)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D (T a multiple of 64, D 64 or 128)")
+    p.add_argument("--variants", default=",".join(ABLATIONS))
+    p.add_argument("--lower-only", action="store_true", help="check lowering for sm_90 (no GPU needed)")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    a = p.parse_args(argv)
+    shape = tuple(int(x) for x in a.shape.split(","))
+    unknown = set(a.variants.split(",")) - set(ABLATIONS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
+    failed = False
+    with open(a.out, "a") if a.out else contextlib.nullcontext() as out:
+        for name in a.variants.split(","):
+            for rec in run_variant(name, shape, a.lower_only):
+                emit(rec, out)
+                failed |= "error" in rec
+    return 1 if failed and a.lower_only else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
