@@ -35,7 +35,7 @@ from pallas_kernels._mgpu import load
 F32 = jnp.float32
 
 
-def _row_itself(g_ref, s, ch):
+def _row_itself(g_ref, lg, ch):
     return load(g_ref.at[:, ch])
 
 
@@ -44,7 +44,7 @@ ABLATIONS = {  # variant -> (anchors option, {kernel-module attribute: stand-in}
     "matmul": ("matmul", {}),
     "no_anchor_chain": ("select", {"_anchors_by_select": _row_itself}),
     "no_exp": ("select", {"_decay": lambda g, anchor: g - anchor}),
-    "one_level": ("select", {"LEVELS": (32,)}),
+    "one_level": ("select", {"LOG_LEVELS": (5,)}),
     "no_decay": ("select", {"_anchors_by_select": _row_itself, "_decay": lambda g, anchor: g}),
 }
 
