@@ -39,6 +39,10 @@ from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
 from pallas_kernels.kda_solve import unit_lower_inverse, unit_lower_inverse_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
+# W = T (beta Gamma K), U = T (beta V) and their VJP: fp32 on the GPU's FFMA units, ~1.5 ms of the
+# op's 18 at (8, 4096, 16, 128) (fifth-session profile). ``benchmarks/kda.py`` times
+# ``BF16_BF16_F32_X3`` (tensor cores, ~fp32 accuracy) in its place as ``ours_pallas_wu_bf16x3``.
+WU_PRECISION = _HI
 
 
 class Prepared(NamedTuple):
@@ -179,8 +183,8 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     inverse = (lambda x: unit_lower_inverse(x, interpret=interpret)) if solve == "mosaic" \
         else unit_lower_inverse_reference
     tinv = inverse(lower.reshape(b, h, nc * c, c)).reshape(lower.shape)
-    w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=_HI)
-    u = jnp.matmul(tinv, bc * vc, precision=_HI)
+    w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=WU_PRECISION)
+    u = jnp.matmul(tinv, bc * vc, precision=WU_PRECISION)
 
     def flat(x):  # [B, H, NC, C, D] -> [B, H, Tp, D]
         return x.reshape(b, h, nc * c, x.shape[-1])

@@ -29,14 +29,16 @@ peers() {  # the KDA benchmark's peers, from wheels carried in $WHEELS (default 
     echo "no wheels folder $wheels: the peers will be missing" > "$OUT/pip.log"
   fi
 }
-kda() {  # one GPU: the scores kernels' GPU tests and ablations, ours vs the peers, one profile
-  part kda_scores_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+kda() {  # one GPU: the scores kernels' GPU tests, the candidate variants, ablations, ours vs peers
+  part kda_scores_tests 130 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "128-2048-softplus-True-mosaic-mosaic"
+  part kda_variants 110 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,ours_pallas_matmul_anchors,ours_pallas_wu_bf16x3 --shapes 8,4096,16,128 \
+    --out "$OUT/kda.jsonl"
   part kda_scores_parts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
     --out "$OUT/kda_scores.jsonl"
-  part kda_bench 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls jla,fla,ours_pallas,ours_pallas_matmul_anchors --shapes 1,8192,16,128 8,4096,16,128 \
-    --out "$OUT/kda.jsonl"
+  part kda_bench 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls jla,fla,ours_pallas --shapes 1,8192,16,128 8,4096,16,128 --out "$OUT/kda.jsonl"
 }
 kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
   part kda_gpu_tests 300 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
