@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kda_scores import ANCHORS as SCORE_ANCHORS
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
 from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
@@ -144,6 +145,8 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
     if scores == "mosaic" and chunk_size != _SCORES_CHUNK:
         raise ValueError(f"prepare: scores='mosaic' needs chunk_size={_SCORES_CHUNK}, got {chunk_size}")
+    if score_anchors not in SCORE_ANCHORS:
+        raise ValueError(f"prepare: score_anchors must be one of {SCORE_ANCHORS}, got {score_anchors!r}")
     if solve not in SOLVES:
         raise ValueError(f"prepare: solve must be one of {SOLVES}, got {solve!r}")
     if solve == "mosaic" and chunk_size != _SOLVE_CHUNK:

@@ -41,9 +41,9 @@ kda() {  # one GPU: the scores kernels' GPU tests, the candidate variants, ablat
     --impls jla,fla,ours_pallas --shapes 1,8192,16,128 8,4096,16,128 --out "$OUT/kda.jsonl"
 }
 kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
-  part kda_gpu_tests 300 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+  part kda_gpu_tests 330 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+  part kda_bench 250 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls jla,fla,ours_pallas --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)

@@ -123,6 +123,8 @@ def test_bad_inputs_raise():
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32, scores="mosaic")
     with pytest.raises(ValueError, match="anchors must be one of"):
         scores(x, x, x, anchors="gather")
+    with pytest.raises(ValueError, match="score_anchors must be one of"):
+        prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=C, score_anchors="gather")
     with pytest.raises(ValueError, match="K in"):
         scores(x[..., :32], x[..., :32], x[..., :32])
     with pytest.raises(ValueError, match="multiple of 64"):
