@@ -35,10 +35,14 @@ kda() {  # one GPU: the scores kernels' GPU tests, the candidate variants, ablat
   part kda_variants 110 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,ours_pallas_matmul_anchors,ours_pallas_wu_bf16x3 --shapes 8,4096,16,128 \
     --out "$OUT/kda.jsonl"
-  part kda_scores_parts 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
+  # ptxas's register and spill counts (and the PTX/SASS) of both anchor options, at a small shape.
+  part kda_scores_ptxas 80 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 \
+    MOSAIC_GPU_DUMP_RESOURCES=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/mosaic_dump" \
+    python3 benchmarks/kda_scores.py --variants select,matmul --shape 1,1024,2,128
+  part kda_scores_parts 140 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
     --out "$OUT/kda_scores.jsonl"
-  part kda_bench 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls jla,fla,ours_pallas --shapes 1,8192,16,128 8,4096,16,128 --out "$OUT/kda.jsonl"
+  part kda_bench 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls jla,fla,ours_pallas --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
 }
 kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
   part kda_gpu_tests 330 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
