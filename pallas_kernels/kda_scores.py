@@ -59,10 +59,11 @@ SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant 
 # --------------------------------------------------------------------------- in-kernel helpers
 
 
-def _siblings(lg, rows, cols):
+def _siblings(lg):
     """``[C, C]`` bool: row ``r`` in a right block of level ``s = 2^lg``, column ``j`` in its left
-    sibling (``lg`` a Python int or a traced int32 scalar, as in every level helper but the select)."""
-    rb, jb = rows >> lg, cols >> lg
+    sibling (``lg`` a Python int or a traced int32 scalar, as in every level helper but the select).
+    The indices are made here, not passed in, so no ``[C, C]`` index array stays live across levels."""
+    rb, jb = iota((CHUNK, CHUNK), 0) >> lg, iota((CHUNK, CHUNK), 1) >> lg
     return (rb == (jb | 1)) & ((jb & 1) == 0)
 
 
@@ -168,7 +169,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, anchors, interpret):
                 for i in range(nl):
                     ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
             plgpu.commit_smem()
-            keep = _siblings(lg, rows, cols)
+            keep = _siblings(lg)
             return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(x_p.at[t], bp_s.at[t].T)
                                                                        for t in range(nh)]), 0.0)
                          for sc, x_p in zip(scores, lhs_p))
@@ -218,8 +219,6 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
             plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
         plgpu.barrier_wait(bar)
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
-        rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
-        diag = rows == cols
 
         by_matmul = anchors == "matmul"
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
@@ -239,7 +238,7 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
                 bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
                     ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
-                keep = _siblings(lg, rows, cols)
+                keep = _siblings(lg)
                 for o in range(no):
                     dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
                 plgpu.commit_smem()
@@ -257,6 +256,7 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
             dg_ref.at[bi, hi, tok, ch][...] = dg
             # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
             for o in range(no):
+                diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
                 w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
                 w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
                 da[o] = da[o] + w * bvals

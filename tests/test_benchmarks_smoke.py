@@ -68,11 +68,13 @@ def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
 
 
 def test_kda_scores_variants_lower_for_sm90():
-    """Every variant of the scores-kernel benchmark lowers for an sm_90 target (the ablations swap
-    helpers of the kernel module while tracing: each must change the kernel it lowers)."""
-    rows = _run(["benchmarks/kda_scores.py", "--lower-only", "--shape", "1,128,2,64"])
+    """Variants of the scores-kernel benchmark lower for an sm_90 target, and an ablation (a helper
+    of the kernel module swapped while tracing) changes the kernel it lowers. (Both anchor options
+    lower in tests/test_pallas_kda_scores.py; three variants here keep CI short.)"""
+    variants = {"select", "no_decay", "one_level"}
+    rows = _run(["benchmarks/kda_scores.py", "--lower-only", "--shape", "1,128,2,64",
+                 "--variants", ",".join(sorted(variants))])
     sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}
-    variants = {v for v, _ in sizes}
-    assert {"select", "matmul"} < variants and len(sizes) == 2 * len(variants)
+    assert len(sizes) == 2 * len(variants)
     for kernel in ("fwd", "bwd"):
         assert len({size for (_, k), size in sizes.items() if k == kernel}) == len(variants)
