@@ -5,7 +5,9 @@ forward + backward on the H200 (docs/benchmarks.md, fifth session), far more tha
 stores and WGMMAs account for. This times the forward kernel (``Aqk`` and ``Akk``) and the backward
 kernel alone at one shape, jitted, median of 5 x 10 calls, for:
 
-- ``select`` / ``matmul``: the two real ``anchors`` options (correct results);
+- ``select`` / ``matmul``: the two real ``anchors`` options (correct results), and
+  ``matmul_approx_exp``: ``matmul`` with Mosaic's approximate math (``ex2.approx``; a candidate,
+  results within ~2 ulp of the exponentials);
 - ablations, **timing only, wrong results**: each swaps one helper of the kernel module while it is
   traced, to show what that part costs: ``no_anchor_chain`` (anchors = the row itself, so no select
   chain), ``no_exp`` (the decay without its exponential), ``one_level`` (the level-32 WGMMAs only, of
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 
 import jax
@@ -42,6 +45,7 @@ def _row_itself(g_ref, lg, ch):
 ABLATIONS = {  # variant -> (anchors option, {kernel-module attribute: stand-in})
     "select": ("select", {}),
     "matmul": ("matmul", {}),
+    "matmul_approx_exp": ("matmul", {"kernel": functools.partial(kda_scores.kernel, approx_math=True)}),
     "no_anchor_chain": ("select", {"_anchors_by_select": _row_itself}),
     "no_exp": ("select", {"_decay": lambda g, anchor: g - anchor}),
     "one_level": ("select", {"LOG_LEVELS": (5,)}),

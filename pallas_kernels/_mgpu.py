@@ -50,8 +50,11 @@ def copy_all(srcs, slots, slot, barrier) -> None:
         plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier)
 
 
-def kernel(body, name: str, interpret: bool, **kwargs):
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+def kernel(body, name: str, interpret: bool, *, approx_math: bool = False, **kwargs):
+    """``plgpu.kernel`` with Lane semantics; ``approx_math`` lets exp and friends use the fast
+    approximate instructions (``ex2.approx``: ~2 ulp, against the bf16 tolerances of every caller)."""
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                  approx_math=approx_math)
     return plgpu.kernel(body, kernel_name=name, compiler_params=params,
                         interpret=plgpu.InterpretGPUParams() if interpret else None, **kwargs)
 
