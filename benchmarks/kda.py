@@ -19,15 +19,16 @@ DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take the time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-import json
+import inspect
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _timing import timed
+from _timing import emit, timed
 
 SHAPES = ((1, 8192, 16, 128), (8, 4096, 16, 128), (2, 8192, 64, 128), (1, 32768, 16, 128))
 PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~790, HBM3e 4.8 TB/s
@@ -124,16 +125,19 @@ JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
-def breakdown(args, scores="xla"):
-    """Split our forward+backward into the token-parallel part (intra-chunk scores by ``scores``) and
+def breakdown(args):
+    """Split our forward+backward, on ``kda_pallas``'s default paths, into the token-parallel part and
     the two state kernels (ms)."""
+    from pallas_kernels.kda import kda_pallas
     from pallas_kernels.kda_prep import prepare
     from pallas_kernels.kda_state_bwd import state_bwd
     from pallas_kernels.kda_state_fwd import state_fwd
 
+    params = inspect.signature(kda_pallas).parameters  # prepare's own defaults are the XLA paths
+    paths = {name: params[name].default for name in ("scores", "solve", "score_anchors")}
     q, k, v, g, beta = args
     scale = q.shape[-1] ** -0.5
-    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64, scores=scores)
+    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64, **paths)
     p = jax.jit(prep)(*args)
     bf = lambda x: x.astype(jnp.bfloat16)
     h0 = jnp.zeros(q.shape[:1] + q.shape[2:3] + (q.shape[3], v.shape[3]), jnp.float32)
@@ -157,12 +161,9 @@ def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
             jax.block_until_ready(fb(*args))
 
 
-def _record(name, shape, r, base, device):
+def _record(name, shape, r, device):
     rec = {"impl": name, "shape": list(shape), "device": device, "fwd_ms": round(r[0], 4),
            "fwd_bwd_ms": round(r[1], 4)}
-    if base is not None:  # peer time over ours: below 1 means the peer is faster
-        rec["fwd_ratio_vs_ours"] = round(r[0] / base[0], 3)
-        rec["fwd_bwd_ratio_vs_ours"] = round(r[1] / base[1], 3)
     if name == "ours_pallas":
         f, by = flops(*shape), min_bytes(*shape)
         rec["fwd_tflops"] = round(f / r[0] / 1e9, 2)
@@ -194,23 +195,22 @@ def main(argv=None):
     if unknown:
         ap.error(f"--impls: unknown {sorted(unknown)}; known: {sorted({*JAX_OPS, 'fla'})}")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
+    with open(a.out, "a") if a.out else contextlib.nullcontext() as out:
+        results = _run(a, shapes, functools.partial(emit, out=out))
+    print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
+    for shape in shapes:
+        cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-" for n in a.impls.split(",")]
+        print(shape, "|", " | ".join(cells))
+
+
+def _run(a, shapes, emit) -> dict:
+    """Every requested measurement, one JSON line each -> ``{(impl, shape): (fwd ms, fwd+bwd ms)}``."""
     dev = jax.devices()[0].device_kind
-    lines, results = [], {}
-
-    def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        lines.append(line)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(line + "\n")
-
+    results = {}
     if a.breakdown:
         shape = tuple(int(x) for x in a.breakdown.split(","))
         try:
-            for scores in ("xla", "mosaic"):
-                emit({"impl": "ours_pallas_parts", "scores": scores, "shape": list(shape),
-                      **breakdown(make_inputs(*shape), scores)})
+            emit({"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(make_inputs(*shape))})
         except Exception as e:
             emit({"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
     for name in a.impls.split(","):
@@ -229,16 +229,13 @@ def main(argv=None):
             except Exception as e:  # a peer not installed or failing: record why, keep going
                 emit({"impl": name, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
-            emit(_record(name, shape, r, results.get(("ours_pallas", shape)), dev))
-    for (name, shape), r in results.items():  # peers timed before ours get their ratio here
+            emit(_record(name, shape, r, dev))
+    for (name, shape), r in results.items():  # each peer's time over ours (below 1: the peer is faster)
         base = results.get(("ours_pallas", shape))
         if base is not None and name != "ours_pallas":
             emit({"impl": name, "shape": list(shape), "fwd_ratio_vs_ours": round(r[0] / base[0], 3),
                   "fwd_bwd_ratio_vs_ours": round(r[1] / base[1], 3)})
-    print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
-    for shape in shapes:
-        cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-" for n in a.impls.split(",")]
-        print(shape, "|", " | ".join(cells))
+    return results
 
 
 if __name__ == "__main__":
