@@ -110,7 +110,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "aux_loss": out["aux"], "sum_nats": out["sum_nats"],
                    "tokens": total, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1),
-                   "finite": ok, "bad_steps": state["bad_steps"], "maxvio": balancing.balance_metrics(out["stats"]), "diag": out["diag"]}
+                   "finite": ok, "bad_steps": state["bad_steps"],
+                   "maxvio": balancing.balance_metrics(out["stats"]), "diag": out["diag"]}
         return state, metrics
 
     return step
