@@ -29,14 +29,16 @@ def _loss(fn, do, dfin):
     return f
 
 
-def _check_all(args, seg, do, dfin, scores="xla", solve="xla"):
+def _check_all(args, seg, do, dfin, **paths):
+    """``kda_pallas`` (interpreted; its default paths unless ``paths`` picks others) against the
+    reference: values and all six gradients within SPEC 10's bf16 tolerances."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
     ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                      segment_ids=seg)
     ker = lambda q, k, v, g, beta, h0: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale,
                                                   initial_state=h0, segment_ids=seg, output_final_state=True,
-                                                  interpret=True, scores=scores, solve=solve)
+                                                  interpret=True, **paths)
     (ro, rf), (o, f) = ref(*args), ker(*args)
     assert o.dtype == jnp.bfloat16 and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
@@ -79,13 +81,6 @@ def test_prep_matches_reference_fp32_correlated_keys():
     assert rel_rms(rf, f) <= FP32_TOL
 
 
-def test_kda_pallas_correlated_keys_values_and_gradients():
-    """The kernels (Mosaic scores, interpreted) on :func:`kda_correlated_keys_case`: values and all six
-    gradients within SPEC 10's bf16 tolerances."""
-    args, do, dfin = kda_correlated_keys_case()
-    _check_all(args, None, do, dfin, "mosaic")
-
-
 def test_state_kernels_match_plain_jax():
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part)."""
@@ -126,14 +121,18 @@ def test_state_kernels_lower_for_cuda():
         lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("gate,segments,scores", [("lower_bound", False, "xla"), ("softplus", True, "xla"),
-                                                  ("softplus", True, "mosaic")])
-def test_kda_pallas_values_and_gradients(gate, segments, scores):
-    """End to end (padding T=90 to 128, initial and final state): values and all six gradients, with
-    the intra-chunk scores from XLA or from the Mosaic scores kernel."""
+XLA_PATHS = {"scores": "xla", "solve": "xla"}
+
+
+@pytest.mark.parametrize("gate,segments,paths", [("lower_bound", False, XLA_PATHS),
+                                                 ("softplus", True, XLA_PATHS), ("softplus", True, {})],
+                         ids=["lower_bound-xla", "softplus-segments-xla", "softplus-segments-default"])
+def test_kda_pallas_values_and_gradients(gate, segments, paths):
+    """End to end (padding T=90 to 128, initial and final state): values and all six gradients, on
+    the default paths (Mosaic scores and solve) and with both built by XLA instead."""
     args, do, dfin = kda_bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
-    _check_all(args, seg, do, dfin, scores)
+    _check_all(args, seg, do, dfin, **paths)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():

@@ -80,7 +80,7 @@ def test_kda_pallas_with_mosaic_solve_on_correlated_keys():
     """End to end (interpreted kernels), values and all six gradients at SPEC 10's bf16
     tolerances, in the regime where power-based inverses fail."""
     args, do, dfin = kda_correlated_keys_case()
-    _check_all(args, None, do, dfin, "mosaic", solve="mosaic")
+    _check_all(args, None, do, dfin)  # kda_pallas's defaults: Mosaic scores and solve
 
 
 def test_inverse_lowers_for_cuda_and_rejects_bad_shapes():
