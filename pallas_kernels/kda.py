@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.devices import hopper_gpus
 from pallas_kernels._mgpu import shared_lowering
 from pallas_kernels.kda_prep import pad_time, prepare
 from pallas_kernels.kda_state_bwd import state_bwd
@@ -126,13 +127,6 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     return o, (final if output_final_state else None)
 
 
-@functools.cache
-def _on_hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
 def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64) -> bool:
     """True only for calls the GPU tests cover: an sm_90 GPU, bf16 q/k/v, K and V in {64, 128},
     chunk 64, well-formed shapes (with or without an initial state and segment_ids)."""
@@ -141,7 +135,7 @@ def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_si
     except ValueError:
         return False
     dtypes_ok = all(jnp.dtype(x.dtype) in INPUT_DTYPES for x in (q, k, v))
-    return dtypes_ok and v.shape[-1] % BLOCK_V == 0 and _on_hopper()
+    return dtypes_ok and v.shape[-1] % BLOCK_V == 0 and hopper_gpus()
 
 
 __all__ = ["kda_pallas", "supports", "pad_time"]

@@ -19,17 +19,11 @@ from helpers import bf16_rounded
 import k3jax.parallel as kp
 from k3jax.config import MoEConfig
 from k3jax.config.mesh import MeshConfig
+from k3jax.devices import hopper_gpus
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, make_dispatch, ragged_dispatch
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 
-
-def _two_hoppers() -> bool:
-    if jax.default_backend() != "gpu" or jax.device_count() < 2:
-        return False
-    return all(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices())
-
-
-pytestmark = pytest.mark.skipif(not _two_hoppers(), reason="needs two sm_90 (H100/H200) GPUs")
+pytestmark = pytest.mark.skipif(not hopper_gpus(2), reason="needs two sm_90 (H100/H200) GPUs")
 
 N, D, M, E, TOP = 4096, 1024, 768, 16, 4
 

@@ -12,19 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.devices import hopper_gpus
 from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch
 from k3jax.ops.tiled_glu import glu_on_tiles
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 
-
-def _hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
-pytestmark = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (H100/H200) GPU")
+pytestmark = pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 
 
 @pytest.mark.parametrize("aligned", [False, True])

@@ -273,7 +273,7 @@ def test_dispatch_is_fail_closed(monkeypatch):
     path = lambda: calls[-1][0]
     kda(q, k, v, g, beta)                                # a CPU: chunked
     assert path() == "chunked"
-    monkeypatch.setattr(kda_module, "_on_sm90", lambda: True)
+    monkeypatch.setattr(kda_module, "hopper_gpus", lambda: True)
     monkeypatch.setattr(kda_module, "_pallas_module", lambda: _fake_pallas(False, calls))
     kda(q, k, v, g, beta)                                # the kernel declines the call
     assert path() == "chunked"

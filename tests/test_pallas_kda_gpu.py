@@ -10,20 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
 from helpers import kda_bf16_case
+
+from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
 
-
-def _hopper():
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
-pytestmark = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (H100/H200) GPU")
+pytestmark = pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 

@@ -19,6 +19,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.kda_reference import kda_decode_step, kda_reference
 
@@ -101,14 +102,6 @@ def _pallas_module():
     return module
 
 
-def _on_sm90() -> bool:
-    """True when the default backend is a GPU of compute capability 9.x (Hopper)."""
-    if jax.default_backend() != "gpu":
-        return False
-    cap = getattr(jax.devices()[0], "compute_capability", "")
-    return str(cap).startswith("9")
-
-
 def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
     """``"reference"``, ``"chunked"`` or the pallas module (fail-closed for ``"auto"``)."""
     if impl == "pallas":
@@ -118,7 +111,7 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
             raise ImportError(f"kda: impl='pallas' needs the module pallas_kernels.kda, which "
                               f"could not be imported ({e}); use impl='chunked' or impl='auto'"
                               ) from e
-    if impl == "auto" and _on_sm90():
+    if impl == "auto" and hopper_gpus():
         try:
             module = _pallas_module()
         except ImportError:

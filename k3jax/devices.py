@@ -1,0 +1,16 @@
+"""What the default backend's devices can run: the one place the kernels' hardware gate is written."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.cache
+def hopper_gpus(count: int = 1) -> bool:
+    """True when the default backend is a GPU with at least ``count`` devices, all of compute
+    capability 9.x (H100/H200: the Mosaic GPU kernels here use sm_90 WGMMA and TMA)."""
+    if jax.default_backend() != "gpu" or jax.device_count() < count:
+        return False
+    return all(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices())
