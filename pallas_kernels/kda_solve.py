@@ -110,7 +110,7 @@ def _inverse_call(lower, *, interpret):
     run = kernel(body, "kda_unit_lower_inverse", interpret,
                  out_type=jax.ShapeDtypeStruct(lower.shape, F32), grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(lower.astype(F32))
+    return run(lower)
 
 
 _inverse_jit = shared_lowering(_inverse_call, ())
