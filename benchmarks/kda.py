@@ -73,20 +73,9 @@ def jax_pair(op, args):
 
 
 def ours(q, k, v, g, beta, **options):
-    """Our Pallas op; ``options`` (``scores``, ``solve``, ``score_anchors``) pick its non-default paths."""
+    """Our Pallas op; ``options`` (``scores``, ``solve``) pick its non-default paths."""
     from pallas_kernels.kda import kda_pallas
     return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, **options)[0]
-
-
-def ours_wu_bf16x3(q, k, v, g, beta):
-    """Ours with ``W``, ``U`` and their VJP as ``BF16_BF16_F32_X3`` dots (an experiment: the module
-    constant is swapped only while this traces)."""
-    from pallas_kernels import kda_prep
-    saved, kda_prep.WU_PRECISION = kda_prep.WU_PRECISION, jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
-    try:
-        return ours(q, k, v, g, beta)
-    finally:
-        kda_prep.WU_PRECISION = saved
 
 
 def chunked(q, k, v, g, beta):
@@ -120,8 +109,6 @@ def fla_pair(args):
 
 JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours, scores="xla"),
            "ours_pallas_xla_solve": functools.partial(ours, solve="xla"),
-           "ours_pallas_matmul_anchors": functools.partial(ours, score_anchors="matmul"),
-           "ours_pallas_wu_bf16x3": ours_wu_bf16x3,
            "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
@@ -134,7 +121,7 @@ def breakdown(args):
     from pallas_kernels.kda_state_fwd import state_fwd
 
     params = inspect.signature(kda_pallas).parameters  # prepare's own defaults are the XLA paths
-    paths = {name: params[name].default for name in ("scores", "solve", "score_anchors")}
+    paths = {name: params[name].default for name in ("scores", "solve")}
     q, k, v, g, beta = args
     scale = q.shape[-1] ** -0.5
     prep = lambda *a: prepare(*a, scale=scale, chunk_size=64, **paths)
@@ -181,9 +168,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
                     help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
                          "scores from XLA instead of the Mosaic kernel), ours_pallas_xla_solve (the "
-                         "chunk inverse by XLA's triangular solve), ours_pallas_matmul_anchors (the "
-                         "scores kernels' anchor rows by a matmul), ours_pallas_wu_bf16x3 (W and U "
-                         "as bf16x3 tensor-core dots), ours_chunked_jax, jla, fla (run in this "
+                         "chunk inverse and W, U by XLA), ours_chunked_jax, jla, fla (run in this "
                          "order, each over all shapes, so a slow peer last cannot starve the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,

@@ -5,19 +5,18 @@ forward + backward on the H200 (docs/benchmarks.md, fifth session), far more tha
 stores and WGMMAs account for. This times the forward kernel (``Aqk`` and ``Akk``) and the backward
 kernel alone at one shape, jitted, median of 5 x 10 calls, for:
 
-- ``select`` / ``matmul``: the two real ``anchors`` options (correct results), and
-  ``matmul_approx_exp``: ``matmul`` with Mosaic's approximate math (``ex2.approx``; a candidate,
-  results within ~2 ulp of the exponentials);
+- ``kernels``: the kernels as they are (correct results), and ``approx_exp``: the same with
+  Mosaic's approximate math (``ex2.approx``; a candidate, results within ~2 ulp of the exponentials);
 - ablations, **timing only, wrong results**: each swaps one helper of the kernel module while it is
-  traced, to show what that part costs: ``no_anchor_chain`` (anchors = the row itself, so no select
-  chain), ``no_exp`` (the decay without its exponential), ``one_level`` (the level-32 WGMMAs only, of
-  six levels), ``no_decay`` (neither anchors nor exponentials).
+  traced, to show what that part costs: ``no_anchors`` (anchors = the row itself, no ``P_s G``
+  WGMMAs), ``no_exp`` (the decay without its exponential), ``one_level`` (the level-32 WGMMAs only,
+  of six levels), ``no_decay`` (neither anchors nor exponentials).
 
 One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms", "shape"}`` (or an
 ``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
 size of each lowered module (the serialized Mosaic GPU kernel dominates it).
 
-    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants select,matmul,...]
+    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants kernels,approx_exp,...]
                                                  [--lower-only] [--out FILE]
 """
 
@@ -33,23 +32,21 @@ import jax.numpy as jnp
 
 from _timing import emit, timed
 from pallas_kernels import kda_scores
-from pallas_kernels._mgpu import load
 
 F32 = jnp.float32
 
 
-def _row_itself(g_ref, lg, ch):
-    return load(g_ref.at[:, ch])
+def _no_anchors(p_ref, parts):
+    return jnp.zeros((kda_scores.CHUNK, kda_scores.KT), F32)
 
 
-ABLATIONS = {  # variant -> (anchors option, {kernel-module attribute: stand-in})
-    "select": ("select", {}),
-    "matmul": ("matmul", {}),
-    "matmul_approx_exp": ("matmul", {"kernel": functools.partial(kda_scores.kernel, approx_math=True)}),
-    "no_anchor_chain": ("select", {"_anchors_by_select": _row_itself}),
-    "no_exp": ("select", {"_decay": lambda g, anchor: g - anchor}),
-    "one_level": ("select", {"LOG_LEVELS": (5,)}),
-    "no_decay": ("select", {"_anchors_by_select": _row_itself, "_decay": lambda g, anchor: g}),
+ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
+    "kernels": {},
+    "approx_exp": {"kernel": functools.partial(kda_scores.kernel, approx_math=True)},
+    "no_anchors": {"_anchors": _no_anchors},
+    "no_exp": {"_decay": lambda g, anchor: g - anchor},
+    "one_level": {"LOG_LEVELS": (5,)},
+    "no_decay": {"_anchors": _no_anchors, "_decay": lambda g, anchor: g},
 }
 
 
@@ -66,12 +63,12 @@ def _swapped(attrs: dict):
             setattr(kda_scores, name, value)
 
 
-def _kernels(anchors: str):
+def _kernels():
     """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
     fwd = jax.jit(lambda q, k, g: kda_scores._fwd_call(  # noqa: E731
-        (q,), k, g, which=(0, -1), out_dtype=jnp.dtype(F32), anchors=anchors, interpret=False))
+        (q,), k, g, which=(0, -1), out_dtype=jnp.dtype(F32), interpret=False))
     bwd = jax.jit(lambda q, k, g, d1, d2: kda_scores._bwd_call(  # noqa: E731
-        (q,), k, g, (d1, d2), which=(0, -1), anchors=anchors, interpret=False))
+        (q,), k, g, (d1, d2), which=(0, -1), interpret=False))
     return fwd, bwd
 
 
@@ -87,9 +84,9 @@ def _inputs(b, t, h, d):
 
 
 def run_variant(name: str, shape, lower_only: bool) -> list[dict]:
-    anchors, attrs = ABLATIONS[name]
+    attrs = ABLATIONS[name]
     (q, k, g), ds = _inputs(*shape)
-    fwd, bwd = _kernels(anchors)
+    fwd, bwd = _kernels()
     out = []
     with _swapped(attrs):
         for kernel, fn, args in (("fwd", fwd, (q, k, g)), ("bwd", bwd, (q, k, g, *ds))):

@@ -91,7 +91,7 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=64, interpret=False, scores="mosaic", solve="mosaic", score_anchors="select"):
+               chunk_size=64, interpret=False, scores="mosaic", solve="mosaic"):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -109,8 +109,6 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       solve: how the chunks' ``(I + L)^-1`` is formed: ``"mosaic"`` (:mod:`pallas_kernels.kda_solve`,
         one CTA per chunk; on the H200 forward + backward 12% faster than XLA's at (8, 4096, 16, 128))
         or ``"xla"`` (a batched triangular solve).
-      score_anchors: the scores kernels' ``anchors`` (:func:`pallas_kernels.kda_scores.scores`):
-        ``"select"`` or ``"matmul"`` (an experiment, not yet run on a GPU).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
@@ -119,7 +117,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
-                scores=scores, solve=solve, score_anchors=score_anchors, interpret=interpret)
+                scores=scores, solve=solve, interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)

@@ -33,17 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kda_scores import ANCHORS as SCORE_ANCHORS
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
 from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
 from pallas_kernels.kda_solve import unit_lower_inverse, unit_lower_inverse_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
-# W = T (beta Gamma K), U = T (beta V) and their VJP: fp32 on the GPU's FFMA units, ~1.5 ms of the
-# op's 18 at (8, 4096, 16, 128) (fifth-session profile). ``benchmarks/kda.py`` times
-# ``BF16_BF16_F32_X3`` (tensor cores, ~fp32 accuracy) in its place as ``ours_pallas_wu_bf16x3``.
-WU_PRECISION = _HI
 
 
 class Prepared(NamedTuple):
@@ -127,7 +122,7 @@ SOLVES = ("xla", "mosaic")
 
 
 def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: str = "xla",
-            solve: str = "xla", score_anchors: str = "select", interpret: bool = False) -> Prepared:
+            solve: str = "xla", interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype (computed
@@ -139,14 +134,11 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
     ``solve`` picks how ``T = (I + L)^-1`` is formed: ``"xla"`` (default, a batched triangular
     solve) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.unit_lower_inverse`; chunk 64).
-    ``score_anchors`` is the Mosaic scores kernels' ``anchors`` option (``"select"`` or ``"matmul"``).
     """
     if scores not in SCORES:
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
     if scores == "mosaic" and chunk_size != _SCORES_CHUNK:
         raise ValueError(f"prepare: scores='mosaic' needs chunk_size={_SCORES_CHUNK}, got {chunk_size}")
-    if score_anchors not in SCORE_ANCHORS:
-        raise ValueError(f"prepare: score_anchors must be one of {SCORE_ANCHORS}, got {score_anchors!r}")
     if solve not in SOLVES:
         raise ValueError(f"prepare: solve must be one of {SOLVES}, got {solve!r}")
     if solve == "mosaic" and chunk_size != _SOLVE_CHUNK:
@@ -167,7 +159,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     if scores == "mosaic":
         heads_major = lambda x: x.reshape(b, h, nc * c, dk)  # noqa: E731  [B, H, NC, C, K] -> [B, H, Tp, K]
         aqk, akk = qk_kk_scores(heads_major(qc * scale), heads_major(kc), heads_major(g_cum),
-                                anchors=score_anchors, interpret=interpret)
+                                interpret=interpret)
         aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
     else:
         aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)
@@ -186,8 +178,8 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     inverse = (lambda x: unit_lower_inverse(x, interpret=interpret)) if solve == "mosaic" \
         else unit_lower_inverse_reference
     tinv = inverse(lower.reshape(b, h, nc * c, c)).reshape(lower.shape)
-    w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=WU_PRECISION)
-    u = jnp.matmul(tinv, bc * vc, precision=WU_PRECISION)
+    w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=_HI)
+    u = jnp.matmul(tinv, bc * vc, precision=_HI)
 
     def flat(x):  # [B, H, NC, C, D] -> [B, H, Tp, D]
         return x.reshape(b, h, nc * c, x.shape[-1])

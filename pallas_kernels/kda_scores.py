@@ -24,11 +24,11 @@ Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient is
 ``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
 
-Anchors: each level needs ``G[p(x)]`` for every row; ``anchors="select"`` picks them with a chain of
-selects over the level's blocks (its length depends on the level, so the six levels are unrolled),
-``anchors="matmul"`` as ``P_s G`` with a 0/1 matrix ``P_s`` and ``G`` split into three bf16 parts (one
-nonzero product per entry, so exact to fp32 rounding); every level then runs the same code, so the
-levels are one loop and the kernels about 3.7x smaller (lowered module size).
+Anchors: each level needs ``G[p(x)]`` for every row; they are formed as ``P_s G`` on the tensor
+cores, with a 0/1 matrix ``P_s`` and ``G`` split into three bf16 parts (one nonzero product per
+entry, so exact to fp32 rounding). Every level then runs the same code, so the levels are one loop.
+(A chain of selects over the level's blocks, the first design, needed the levels unrolled: kernels
+3.7x larger and, on the H200, 1.6x slower forward and 2.2x slower backward; docs/benchmarks.md.)
 
 Layout: one CTA (one warpgroup) per ``(chunk, head, batch)``; the key channels are handled in tiles
 of 64 (``K`` in {64, 128}). Inputs arrive by TMA in plain SMEM; the scaled operands of each level
@@ -45,14 +45,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, COL, F32, WG, iota, kernel, load, matmul, shared_lowering, tiles
+from pallas_kernels._mgpu import BF16, F32, WG, iota, kernel, load, matmul, shared_lowering, tiles
 
 CHUNK = 64
 KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
-ANCHORS = ("select", "matmul")
 SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits)
 
 
@@ -65,19 +64,6 @@ def _siblings(lg):
     The indices are made here, not passed in, so no ``[C, C]`` index array stays live across levels."""
     rb, jb = iota((CHUNK, CHUNK), 0) >> lg, iota((CHUNK, CHUNK), 1) >> lg
     return (rb == (jb | 1)) & ((jb & 1) == 0)
-
-
-def _anchors_by_select(g_ref, lg: int, ch):
-    """``[C, KT]`` fp32: row ``x`` holds ``G[p(x)]``, level ``s = 2^lg``'s anchor row (module
-    docstring), channels ``ch``, picked by a chain of ``C / 2s`` selects over the blocks of ``2s``
-    rows (so ``lg`` must be static)."""
-    s = 1 << lg
-    blk = iota((CHUNK, KT), 0) >> (lg + 1)
-    anchor = None
-    for m in range(CHUNK // (2 * s)):
-        row = lax.broadcast_in_dim(load(g_ref.at[2 * s * m + s, ch], COL), (CHUNK, KT), (1,))
-        anchor = row if anchor is None else jnp.where(blk == m, row, anchor)
-    return anchor
 
 
 def _anchor_matrix(lg):
@@ -95,9 +81,9 @@ def _store_split(value, parts):
         value = value - part.astype(F32)
 
 
-def _anchors_by_matmul(p_ref, parts):
-    """As :func:`_anchors_by_select`, as ``P_s G`` on the tensor cores: one nonzero product per
-    entry and bf16 parts that sum to ``G``, so the anchors are ``G``'s rows to fp32 rounding."""
+def _anchors(p_ref, parts):
+    """``[C, KT]`` fp32: row ``x`` holds ``G[p(x)]`` (module docstring), as ``P_s G`` on the tensor
+    cores: one nonzero product per entry and bf16 parts that sum to ``G``, so exact to fp32 rounding."""
     return matmul((CHUNK, KT), *[(p_ref, part) for part in parts])
 
 
@@ -111,13 +97,8 @@ def _channels(dk: int):
     return [pl.ds(h * KT, KT) for h in range(dk // KT)]
 
 
-def _over_levels(level, carry, looped: bool):
-    """``carry = level(lg, carry)`` for each level, finest last: unrolled with a static ``lg``, or
-    (``looped``, which needs the matmul anchors) one loop body with a traced ``lg``."""
-    if not looped:
-        for lg in LOG_LEVELS:
-            carry = level(lg, carry)
-        return carry
+def _over_levels(level, carry):
+    """``carry = level(lg, carry)`` for each level (``lg`` traced), coarsest first."""
     top = LOG_LEVELS[0]
     return lax.fori_loop(0, len(LOG_LEVELS), lambda i, c: level(top - i, c), carry)
 
@@ -125,17 +106,21 @@ def _over_levels(level, carry, looped: bool):
 # --------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_call(lhs, b, g, *, which, out_dtype, anchors, interpret):
-    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``)."""
+def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
+    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``).
+
+    The channel tiles are the outer loop and the levels the inner one, so the scaled operands and
+    ``G``'s parts are held for one tile at a time (112 KB of SMEM at K = 128, two CTAs per SM; with
+    the levels outermost it was 152 KB, one CTA)."""
     nb, h, tp, dk = b.shape
-    nl, nh, chs = len(lhs), dk // KT, _channels(dk)
+    nl = len(lhs)
     out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), out_dtype) for _ in which)
 
     def body(*refs):
         a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         outs, refs = refs[:len(which)], refs[len(which):]
         a_s, (b_s, g_s, bp_s), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
-        ap_s, bar, refs = refs[:nl], refs[nl], refs[nl + 1:]
+        ap_s, (bar, p_s), g_parts = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in zip((*a_refs, b_ref, g_ref), (*a_s, b_s, g_s)):
@@ -149,43 +134,36 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, anchors, interpret):
         scores = []
         for x_s in lhs_s:
             dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(b_s.at[:, ch]).astype(F32), axis=1)
-                      for ch in chs)
+                      for ch in _channels(dk))
             scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
-        by_matmul = anchors == "matmul"
-        if by_matmul:
-            p_s, g_parts = refs[0], refs[1:]
-            for t, ch in enumerate(chs):
-                _store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
 
-        def level(lg, scores):  # the off-diagonal pairs of one anchored level
-            if by_matmul:
+        for ch in _channels(dk):
+            g_ch = load(g_s.at[:, ch])
+            _store_split(g_ch, g_parts)
+
+            def level(lg, scores, ch=ch, g_ch=g_ch):  # the off-diagonal pairs of one anchored level
                 p_s[...] = _anchor_matrix(lg)
                 plgpu.commit_smem()
-            for t, ch in enumerate(chs):
-                anchor = (_anchors_by_matmul(p_s, [part.at[t] for part in g_parts]) if by_matmul
-                          else _anchors_by_select(g_s, lg, ch))
-                e = _decay(load(g_s.at[:, ch]), anchor)
-                bp_s.at[t][...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
+                e = _decay(g_ch, _anchors(p_s, g_parts))
+                bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
-                    ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
-            plgpu.commit_smem()
-            keep = _siblings(lg)
-            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(x_p.at[t], bp_s.at[t].T)
-                                                                       for t in range(nh)]), 0.0)
-                         for sc, x_p in zip(scores, lhs_p))
+                    ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
+                plgpu.commit_smem()
+                keep = _siblings(lg)
+                return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), (x_p, bp_s.T)), 0.0)
+                             for sc, x_p in zip(scores, lhs_p))
 
-        scores = _over_levels(level, tuple(scores), looped=by_matmul)
+            scores = _over_levels(level, tuple(scores))
         for out, sc in zip(outs, scores):
             out.at[bi, hi, tok][...] = sc.astype(out_dtype)
 
     scratch = (
         *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
         plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
-        tiles((nh, CHUNK, KT)),  # b E, per channel tile
-        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
+        tiles((CHUNK, KT)),  # b E, one channel tile
+        *(tiles((CHUNK, KT)) for _ in range(nl)),  # a E
         plgpu.Barrier(num_arrivals=nl + 2),
-        *((tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)))  # P_s, G parts
-          if anchors == "matmul" else ()),
+        tiles((CHUNK, CHUNK)), *(tiles((CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
@@ -195,7 +173,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, anchors, interpret):
 # --------------------------------------------------------------------------- backward kernel
 
 
-def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
+def _bwd_call(lhs, b, g, dss, *, which, interpret):
     """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``.
 
     ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``).
@@ -212,7 +190,7 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
         a_s, (b_s, g_s), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         ds_s, refs = refs[:no], refs[no:]
         bp_s, ap_s, dsl_s, bar = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no], refs[1 + nl + no]
-        p_s, g_parts = (refs[2 + nl + no], refs[3 + nl + no:]) if anchors == "matmul" else (None, ())
+        p_s, g_parts = refs[2 + nl + no], refs[3 + nl + no:]
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in zip((*a_refs, b_ref, g_ref, *ds_refs), (*a_s, b_s, g_s, *ds_s)):
@@ -220,21 +198,17 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
         plgpu.barrier_wait(bar)
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
 
-        by_matmul = anchors == "matmul"
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
 
         for ch in chs:
             g_ch = load(g_s.at[:, ch])
-            if by_matmul:
-                _store_split(g_ch, g_parts)
+            _store_split(g_ch, g_parts)
 
             def level(lg, carry, ch=ch, g_ch=g_ch):  # (da per output: row side, db: column side)
                 da, db = carry
-                if by_matmul:
-                    p_s[...] = _anchor_matrix(lg)
-                    plgpu.commit_smem()
-                anchor = _anchors_by_matmul(p_s, g_parts) if by_matmul else _anchors_by_select(g_s, lg, ch)
-                e = _decay(g_ch, anchor)
+                p_s[...] = _anchor_matrix(lg)
+                plgpu.commit_smem()
+                e = _decay(g_ch, _anchors(p_s, g_parts))
                 bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
                     ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
@@ -246,7 +220,7 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
                 db = db + e * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
                 return da, db
 
-            da, db = _over_levels(level, ((zero,) * no, zero), looped=by_matmul)
+            da, db = _over_levels(level, ((zero,) * no, zero))
             da = list(da)
             bvals = load(b_s.at[:, ch]).astype(F32)
             avals = [bvals if w < 0 else load(a_s[w].at[:, ch]).astype(F32) for w in which]
@@ -276,16 +250,15 @@ def _bwd_call(lhs, b, g, dss, *, which, anchors, interpret):
         *(tiles((CHUNK, KT)) for _ in range(nl)),  # a E
         *(tiles((CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
         plgpu.Barrier(num_arrivals=nl + 2 + no),
-        *((tiles((CHUNK, CHUNK)), *(tiles((CHUNK, KT)) for _ in range(SPLITS)))  # P_s, G parts
-          if anchors == "matmul" else ()),
+        tiles((CHUNK, CHUNK)), *(tiles((CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(*lhs, b, g, *dss)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype", "anchors"))
-_bwd_jit = shared_lowering(_bwd_call, ("which", "anchors"))
+_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype"))
+_bwd_jit = shared_lowering(_bwd_call, ("which",))
 
 
 # --------------------------------------------------------------------------- differentiable op
@@ -295,29 +268,27 @@ def _bf16(x):
     return x.astype(BF16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _scores(lhs, b, g, which, out_dtype, anchors, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _scores(lhs, b, g, which, out_dtype, interpret):
     return _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), which=which, out_dtype=out_dtype,
-                    anchors=anchors, interpret=interpret)
+                    interpret=interpret)
 
 
-def _scores_fwd(lhs, b, g, which, out_dtype, anchors, interpret):
-    return _scores(lhs, b, g, which, out_dtype, anchors, interpret), (lhs, b, g)
+def _scores_fwd(lhs, b, g, which, out_dtype, interpret):
+    return _scores(lhs, b, g, which, out_dtype, interpret), (lhs, b, g)
 
 
-def _scores_bwd(which, out_dtype, anchors, interpret, res, dss):
+def _scores_bwd(which, out_dtype, interpret, res, dss):
     lhs, b, g = res
     *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), which=which,
-                           anchors=anchors, interpret=interpret)
+                           interpret=interpret)
     return (tuple(d.astype(x.dtype) for d, x in zip(da, lhs)), db.astype(b.dtype), dg.astype(g.dtype))
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-def _check(name: str, b, g, lhs, out_dtype, anchors):
-    if anchors not in ANCHORS:
-        raise ValueError(f"{name}: anchors must be one of {ANCHORS}, got {anchors!r}")
+def _check(name: str, b, g, lhs, out_dtype):
     shape = b.shape
     if len(shape) != 4 or shape[2] % CHUNK or shape[3] not in HEAD_DIMS:
         raise ValueError(f"{name}: b (or k) must be [B, H, Tp, K] with Tp a multiple of {CHUNK} and K in "
@@ -332,7 +303,7 @@ def _check(name: str, b, g, lhs, out_dtype, anchors):
         raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
 
 
-def scores(a, b, g_cum, *, out_dtype=jnp.float32, anchors: str = "select", interpret: bool = False):
+def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
     """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` in each chunk of 64 rows, else 0.
 
     Args:
@@ -340,30 +311,25 @@ def scores(a, b, g_cum, *, out_dtype=jnp.float32, anchors: str = "select", inter
         tensor cores (pass bf16-representable values for exact operands).
       g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay (non-increasing within a chunk), fp32.
       out_dtype: fp32 or bf16.
-      anchors: how each level's anchor rows ``G[p(x)]`` are gathered: ``"select"`` (a chain of
-        selects, up to 32 per level; levels unrolled) or ``"matmul"`` (``P_s G`` on the tensor cores,
-        ``G`` split into three bf16 parts; levels in a loop). Same results; ``"matmul"`` is an
-        experiment for the H200, not yet run on one.
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
       ``[B, H, Tp, 64]`` (row ``t`` holds chunk-local row ``t mod 64``). Differentiable in ``a, b,
       g_cum`` (backward: a Mosaic GPU kernel); cotangents come back in the inputs' dtypes.
     """
-    _check("scores", b, g_cum, (a,), out_dtype, anchors)
-    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), anchors, interpret)
+    _check("scores", b, g_cum, (a,), out_dtype)
+    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), interpret)
     return s
 
 
-def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, anchors: str = "select",
-                 interpret: bool = False):
+def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
     """``(scores(q, k, g_cum), scores(k, k, g_cum))`` in one kernel call (shared decays and loads).
 
     ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`; the
     second result includes the diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
     """
-    _check("qk_kk_scores", k, g_cum, (q,), out_dtype, anchors)
-    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), anchors, interpret)
+    _check("qk_kk_scores", k, g_cum, (q,), out_dtype)
+    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), interpret)
 
 
 def scores_reference(a, b, g_cum):

@@ -44,12 +44,11 @@ def _check_grads(ref_grads, ker_grads, names):
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-@pytest.mark.parametrize("anchors", kda_scores.ANCHORS)
-def test_qk_kk_scores_values_and_gradients(anchors):
+def test_qk_kk_scores_values_and_gradients():
     """Aqk and Akk from one call (K = 64, two heads, two chunks, K3's lower-bound gate)."""
     q, k, _, g_cum = _inputs(0, 1, 2, 2 * C, 64, "lower_bound")
     q = q * 0.125
-    ker = lambda q, k, g: qk_kk_scores(q, k, g, anchors=anchors, interpret=True)  # noqa: E731
+    ker = lambda q, k, g: qk_kk_scores(q, k, g, interpret=True)  # noqa: E731
     ref = lambda q, k, g: (scores_reference(q, k, g), scores_reference(k, k, g))  # noqa: E731
     (rqk, rkk), ref_vjp = jax.vjp(ref, q, k, g_cum)
     (aqk, akk), ker_vjp = jax.vjp(ker, q, k, g_cum)
@@ -61,18 +60,17 @@ def test_qk_kk_scores_values_and_gradients(anchors):
     _check_grads(ref_vjp(cts), ker_vjp(cts), ("q", "k", "g_cum"))
 
 
-@pytest.mark.parametrize("anchors", kda_scores.ANCHORS)
-def test_scores_softplus_gate_past_fp32_exp_range_k128(anchors):
+def test_scores_softplus_gate_past_fp32_exp_range_k128():
     """a != b, K = 128, a softplus gate whose 16-token decay passes exp's fp32 range (-88 nats):
     a split ``exp(G_r) exp(-G_j)`` over a 16-row block would overflow. Values (fp32 and bf16 out)
     and the gradients of a, b, g_cum."""
     a, b, g, g_cum = _inputs(2, 1, 1, C, 128, "softplus")
     assert float(jnp.min(jnp.sum(g[:, :, :16], axis=2))) < -88.0  # the overflow regime is exercised
-    ker = lambda a, b, g: scores(a, b, g, anchors=anchors, interpret=True)  # noqa: E731
+    ker = lambda a, b, g: scores(a, b, g, interpret=True)  # noqa: E731
     r, ref_vjp = jax.vjp(scores_reference, a, b, g_cum)
     s, ker_vjp = jax.vjp(ker, a, b, g_cum)
     assert rel_rms(r, s) <= BF16_OUT_TOL
-    s16 = scores(a, b, g_cum, out_dtype=jnp.bfloat16, anchors=anchors, interpret=True)
+    s16 = scores(a, b, g_cum, out_dtype=jnp.bfloat16, interpret=True)
     assert s16.dtype == jnp.bfloat16 and rel_rms(r, s16) <= BF16_OUT_TOL
     (ct,) = _cotangents(3, r.shape, 1)
     _check_grads(ref_vjp(ct), ker_vjp(ct), ("a", "b", "g_cum"))
@@ -100,18 +98,18 @@ def test_prepare_mosaic_scores_match_xla():
     _check_grads(ref_vjp(cts), ker_vjp(cts), ("q", "k", "g"))
 
 
-@pytest.mark.parametrize("dk,anchors", [(64, "select"), (128, "select"), (128, "matmul")])
-def test_kernels_lower_for_cuda(dk, anchors):
+@pytest.mark.parametrize("dk", [64, 128])
+def test_kernels_lower_for_cuda(dk):
     """Both kernels pass Mosaic GPU's lowering (layouts, WGMMA operand tiling) for an sm_90 target;
     the interpreter alone would accept layouts that do not lower."""
     bf, f32 = (jax.ShapeDtypeStruct((1, 2, 2 * C, dk), d) for d in (jnp.bfloat16, jnp.float32))
     ds = jax.ShapeDtypeStruct((1, 2, 2 * C, C), jnp.float32)
-    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtype", "anchors", "interpret"))
-    bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "anchors", "interpret"))
+    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtype", "interpret"))
+    bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "interpret"))
     for which in ((0, -1), (0,)):
-        fwd.trace((bf,), bf, f32, which=which, out_dtype=jnp.dtype(jnp.float32), anchors=anchors,
+        fwd.trace((bf,), bf, f32, which=which, out_dtype=jnp.dtype(jnp.float32),
                   interpret=False).lower(lowering_platforms=("cuda",))
-        bwd.trace((bf,), bf, f32, (ds,) * len(which), which=which, anchors=anchors,
+        bwd.trace((bf,), bf, f32, (ds,) * len(which), which=which,
                   interpret=False).lower(lowering_platforms=("cuda",))
 
 
@@ -121,10 +119,6 @@ def test_bad_inputs_raise():
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=C, scores="pallas")
     with pytest.raises(ValueError, match="chunk_size=64"):
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32, scores="mosaic")
-    with pytest.raises(ValueError, match="anchors must be one of"):
-        scores(x, x, x, anchors="gather")
-    with pytest.raises(ValueError, match="score_anchors must be one of"):
-        prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=C, score_anchors="gather")
     with pytest.raises(ValueError, match="K in"):
         scores(x[..., :32], x[..., :32], x[..., :32])
     with pytest.raises(ValueError, match="multiple of 64"):
