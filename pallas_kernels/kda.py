@@ -4,9 +4,9 @@
 chunked form of SPEC 3.3, in three parts:
 
 1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): padding, segment masks, the
-   gates' chunk-local cumsum, ``W, U, Qg, Kg`` under XLA; the intra-chunk score matrices
-   (:mod:`pallas_kernels.kda_scores`) and the chunk inverse (:mod:`pallas_kernels.kda_solve`) as
-   Mosaic GPU kernels with their own VJPs (``scores="xla"``, ``solve="xla"`` compute them in XLA).
+   gates' chunk-local cumsum, ``Qg, Kg`` under XLA; the intra-chunk score matrices
+   (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U`` (:mod:`pallas_kernels.kda_solve`)
+   as Mosaic GPU kernels with their own VJPs (``scores="xla"``, ``solve="xla"`` compute them in XLA).
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.
@@ -106,9 +106,9 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       scores: how the intra-chunk score matrices are built: ``"mosaic"`` (the Mosaic GPU kernel pair
         of :mod:`pallas_kernels.kda_scores`; on the H200 a quarter faster than XLA's, forward + VJP
         of the token-parallel part) or ``"xla"`` (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
-      solve: how the chunks' ``(I + L)^-1`` is formed: ``"mosaic"`` (:mod:`pallas_kernels.kda_solve`,
-        one CTA per chunk; on the H200 forward + backward 12% faster than XLA's at (8, 4096, 16, 128))
-        or ``"xla"`` (a batched triangular solve).
+      solve: how the chunks' ``T = (I + L)^-1`` and ``W = T (beta Gamma K)``, ``U = T (beta V)`` are
+        formed: ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one CTA per chunk, forward and
+        backward kernels) or ``"xla"`` (a batched triangular solve and fp32 matmuls).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.

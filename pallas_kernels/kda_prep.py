@@ -9,7 +9,7 @@ For each chunk of ``C`` tokens (one head) this forms, from the cumulative log-de
 
 the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`). This part runs
 under XLA and is differentiated by JAX's autodiff, except where ``scores`` / ``solve`` pick the
-Mosaic GPU kernels for the score matrices and the inverse (each with its own VJP).
+Mosaic GPU kernels for the score matrices and for the inverse with ``W``, ``U`` (each with its own VJP).
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow. Scores are built on a binary tree of row blocks:
@@ -27,6 +27,7 @@ reference's "state set to zero at a segment's first token".
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -36,7 +37,7 @@ from jax import lax
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
 from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
-from pallas_kernels.kda_solve import unit_lower_inverse, unit_lower_inverse_reference
+from pallas_kernels.kda_solve import wy, wy_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 
@@ -132,8 +133,9 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     ``scores`` picks how ``Aqk`` and ``Akk`` are built: ``"xla"`` (default, :func:`_tree_scores`) or
     ``"mosaic"`` (:func:`pallas_kernels.kda_scores.qk_kk_scores`, a Mosaic GPU kernel pair with bf16
     tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
-    ``solve`` picks how ``T = (I + L)^-1`` is formed: ``"xla"`` (default, a batched triangular
-    solve) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.unit_lower_inverse`; chunk 64).
+    ``solve`` picks how ``T = (I + L)^-1`` and ``W``, ``U`` are formed: ``"xla"`` (default, a batched
+    triangular solve and fp32 matmuls) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one
+    kernel per direction; chunk 64).
     """
     if scores not in SCORES:
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
@@ -175,16 +177,14 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         kdecay = kdecay * leave[..., None]
         gamma = gamma * enter[..., -1:]
     lower = akk * bc  # L[r, j] = beta_r * akk[r, j]
-    inverse = (lambda x: unit_lower_inverse(x, interpret=interpret)) if solve == "mosaic" \
-        else unit_lower_inverse_reference
-    tinv = inverse(lower.reshape(b, h, nc * c, c)).reshape(lower.shape)
-    w = jnp.matmul(tinv, bc * gamma_rows * kc, precision=_HI)
-    u = jnp.matmul(tinv, bc * vc, precision=_HI)
 
     def flat(x):  # [B, H, NC, C, D] -> [B, H, Tp, D]
         return x.reshape(b, h, nc * c, x.shape[-1])
 
-    return Prepared(qg=flat(qc * scale * gamma_rows), kg=flat(kc * kdecay), w=flat(w), u=flat(u),
+    wy_transform = functools.partial(wy, interpret=interpret) if solve == "mosaic" else wy_reference
+    w, u = wy_transform(flat(lower), flat(bc * gamma_rows * kc), flat(bc * vc))
+
+    return Prepared(qg=flat(qc * scale * gamma_rows), kg=flat(kc * kdecay), w=w, u=u,
                     aqk=flat(aqk), gamma=gamma)
 
 

@@ -29,20 +29,18 @@ peers() {  # the KDA benchmark's peers, from wheels carried in $WHEELS (default 
     echo "no wheels folder $wheels: the peers will be missing" > "$OUT/pip.log"
   fi
 }
-kda() {  # one GPU: the scores kernels' GPU tests, the candidate variants, ablations, ours vs peers
-  part kda_scores_tests 130 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py -k "128-2048-softplus-True-mosaic-mosaic"
-  part kda_variants 110 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,ours_pallas_matmul_anchors,ours_pallas_wu_bf16x3 --shapes 8,4096,16,128 \
+kda() {  # one GPU: the default path's GPU tests, ours against the XLA solve and jla, parts, ptxas
+  part kda_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
+  part kda_ours 100 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,ours_pallas_xla_solve,jla --shapes 8,4096,16,128 --profile /tmp/prof \
     --out "$OUT/kda.jsonl"
-  # ptxas's register and spill counts (and the PTX/SASS) of both anchor options, at a small shape.
-  part kda_scores_ptxas 80 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 \
-    MOSAIC_GPU_DUMP_RESOURCES=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/mosaic_dump" \
-    python3 benchmarks/kda_scores.py --variants select,matmul --shape 1,1024,2,128
-  part kda_scores_parts 140 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
-    --out "$OUT/kda_scores.jsonl"
-  part kda_bench 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls jla,fla,ours_pallas --shapes 8,4096,16,128 --out "$OUT/kda.jsonl"
+  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 30 > "$OUT/profile_top.jsonl" 2>&1
+  # ptxas's register and spill counts of every Mosaic kernel the scores benchmark compiles.
+  part kda_scores_parts 100 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
+    benchmarks/kda_scores.py --variants kernels,approx_exp,one_level --out "$OUT/kda_scores.jsonl"
+  grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
+  grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
 kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
   part kda_gpu_tests 330 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
