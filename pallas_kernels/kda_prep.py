@@ -155,7 +155,10 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
 
     qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
     bc = chunks(beta[..., None])  # [B, H, NC, C, 1]
-    g_cum = jnp.cumsum(gc, axis=-2)
+    # The chunk-local cumsum as a product with a lower-triangular ones matrix (fp32): XLA lowers
+    # jnp.cumsum to an associative scan, 1.11 ms forward + backward at (8, 4096, 16, 128) on the
+    # H200 against 0.82 ms for the product (relative difference 5e-7).
+    g_cum = jnp.einsum("rc,...ck->...rk", jnp.tril(jnp.ones((c, c), f32)), gc, precision=_HI)
     g_last = g_cum[..., -1:, :]  # [B, H, NC, 1, K]
 
     if scores == "mosaic":

@@ -176,10 +176,13 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
 def _bwd_call(lhs, b, g, dss, *, which, interpret):
     """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``.
 
-    ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``).
+    ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``). One warpgroup per
+    channel tile (two at K = 128): the tiles are independent given ``dS``, and the kernel is bound by
+    the latency of its dependent WGMMA / exp steps, which a second warpgroup on the SM hides (ptxas:
+    255 registers per thread, so no second CTA fits beside a one-warpgroup CTA).
     """
     nb, h, tp, dk = b.shape
-    nl, no, chs = len(lhs), len(which), _channels(dk)
+    nl, no, nh = len(lhs), len(which), dk // KT
     sds = jax.ShapeDtypeStruct((nb, h, tp, dk), F32)
     out_type = tuple(sds for _ in range(nl + 2))
 
@@ -187,73 +190,87 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         ds_refs, refs = refs[:no], refs[no:]
         da_refs, (db_ref, dg_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
-        a_s, (b_s, g_s), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        a_all, (b_all, g_all), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         ds_s, refs = refs[:no], refs[no:]
-        bp_s, ap_s, dsl_s, bar = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no], refs[1 + nl + no]
-        p_s, g_parts = refs[2 + nl + no], refs[3 + nl + no:]
-        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
+        bp_all, ap_all, dsl_all = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no]
+        p_all, *parts_all, bar, done = refs[1 + nl + no:]
+        bi, hi, ni, wg = (lax.axis_index(n) for n in ("b", "h", "n", "wg"))
         tok = pl.ds(ni * CHUNK, CHUNK)
-        for src, dst in zip((*a_refs, b_ref, g_ref, *ds_refs), (*a_s, b_s, g_s, *ds_s)):
-            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+
+        @pl.when(wg == 0)
+        def _():
+            for t, ch in enumerate(_channels(dk)):  # each channel tile to its own buffer
+                for src, dst in zip((*a_refs, b_ref, g_ref), (*a_all, b_all, g_all)):
+                    plgpu.copy_gmem_to_smem(src.at[bi, hi, tok, ch], dst.at[t], bar)
+            for src, dst in zip(ds_refs, ds_s):
+                plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+
         plgpu.barrier_wait(bar)
+        # This warpgroup's channel tile and its own operand buffers.
+        a_s, b_s, g_s = [x.at[wg] for x in a_all], b_all.at[wg], g_all.at[wg]
+        bp_s, ap_s, dsl_s = bp_all.at[wg], [x.at[wg] for x in ap_all], [x.at[wg] for x in dsl_all]
+        p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
-
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
+        g_ch = load(g_s)
+        _store_split(g_ch, g_parts)
 
-        for ch in chs:
-            g_ch = load(g_s.at[:, ch])
-            _store_split(g_ch, g_parts)
-
-            def level(lg, carry, ch=ch, g_ch=g_ch):  # (da per output: row side, db: column side)
-                da, db = carry
-                p_s[...] = _anchor_matrix(lg)
-                plgpu.commit_smem()
-                e = _decay(g_ch, _anchors(p_s, g_parts))
-                bp_s[...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
-                for i in range(nl):
-                    ap_s[i][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
-                keep = _siblings(lg)
-                for o in range(no):
-                    dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
-                plgpu.commit_smem()
-                da = tuple(d + e * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
-                db = db + e * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
-                return da, db
-
-            da, db = _over_levels(level, ((zero,) * no, zero))
-            da = list(da)
-            bvals = load(b_s.at[:, ch]).astype(F32)
-            avals = [bvals if w < 0 else load(a_s[w].at[:, ch]).astype(F32) for w in which]
-            dg = -bvals * db
+        def level(lg, carry):  # (da per output: row side, db: column side)
+            da, db = carry
+            p_s[...] = _anchor_matrix(lg)
+            plgpu.commit_smem()
+            e = _decay(g_ch, _anchors(p_s, g_parts))
+            bp_s[...] = (load(b_s).astype(F32) * e).astype(BF16)
+            for i in range(nl):
+                ap_s[i][...] = (load(a_s[i]).astype(F32) * e).astype(BF16)
+            keep = _siblings(lg)
             for o in range(no):
-                dg = dg + avals[o] * da[o]
-            dg_ref.at[bi, hi, tok, ch][...] = dg
-            # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
-            for o in range(no):
-                diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-                w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
-                w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
-                da[o] = da[o] + w * bvals
-                db = db + w * avals[o]
-            for o, wo in enumerate(which):
-                if wo < 0:
-                    db = db + da[o]
-                else:
-                    da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
-            db_ref.at[bi, hi, tok, ch][...] = db
+                dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
+            plgpu.commit_smem()
+            da = tuple(d + e * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
+            db = db + e * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
+            return da, db
 
+        da, db = _over_levels(level, ((zero,) * no, zero))
+        da = list(da)
+        ch = pl.ds(wg * KT, KT)
+        bvals = load(b_s).astype(F32)
+        avals = [bvals if w < 0 else load(a_s[w]).astype(F32) for w in which]
+        dg = -bvals * db
+        for o in range(no):
+            dg = dg + avals[o] * da[o]
+        dg_ref.at[bi, hi, tok, ch][...] = dg
+        # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
+        for o in range(no):
+            diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
+            w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
+            w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
+            da[o] = da[o] + w * bvals
+            db = db + w * avals[o]
+        for o, wo in enumerate(which):
+            if wo < 0:
+                db = db + da[o]
+            else:
+                da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
+        db_ref.at[bi, hi, tok, ch][...] = db
+        # No warpgroup leaves while the other may still issue WGMMAs (jla reports illegal-instruction
+        # faults on sm_90 otherwise).
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+
+    per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (
-        *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
-        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
-        *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain)
-        tiles((CHUNK, KT)),  # b E
-        *(tiles((CHUNK, KT)) for _ in range(nl)),  # a E
-        *(tiles((CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
-        plgpu.Barrier(num_arrivals=nl + 2 + no),
-        tiles((CHUNK, CHUNK)), *(tiles((CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
+        *(per_tile(BF16) for _ in range(nl)), per_tile(BF16), per_tile(F32),  # a, b, G (plain)
+        *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
+        tiles((nh, CHUNK, KT)),  # b E, one per warpgroup
+        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
+        *(tiles((nh, CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
+        tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
+        plgpu.Barrier(num_arrivals=(nl + 2) * nh + no),
+        plgpu.Barrier(num_arrivals=nh),
     )
     run = kernel(body, "kda_scores_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
-                 grid_names=("n", "h", "b"), scratch_types=scratch)
+                 grid_names=("n", "h", "b"), num_threads=nh, thread_name="wg", scratch_types=scratch)
     return run(*lhs, b, g, *dss)
 
 
