@@ -50,6 +50,14 @@ def copy_all(srcs, slots, slot, barrier) -> None:
         plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier)
 
 
+def finish_together(done) -> None:
+    """Every warpgroup of the CTA arrives at ``done`` (a ``Barrier(num_arrivals=warpgroups)``) and
+    waits for the others: no warpgroup exits while another may still issue WGMMAs, which
+    jax-linear-attention reports as illegal-instruction faults on sm_90 with jax 0.11.2."""
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+
 def kernel(body, name: str, interpret: bool, *, approx_math: bool = False, **kwargs):
     """``plgpu.kernel`` with Lane semantics; ``approx_math`` lets exp and friends use the fast
     approximate instructions (``ex2.approx``: ~2 ulp, against the bf16 tolerances of every caller)."""
