@@ -38,15 +38,20 @@ kda() {  # one GPU: the default path's GPU tests, ours against the XLA solve and
   python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 30 > "$OUT/profile_top.jsonl" 2>&1
   # ptxas's register and spill counts of every Mosaic kernel the scores benchmark compiles.
   part kda_scores_parts 100 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
-    benchmarks/kda_scores.py --variants kernels,approx_exp,one_level --out "$OUT/kda_scores.jsonl"
+    benchmarks/kda_scores.py --variants kernels,exact_exp,one_level --out "$OUT/kda_scores.jsonl"
   grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
-kda_full() {  # one GPU: every KDA GPU test, then all four shapes, peers first
-  part kda_gpu_tests 330 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py
-  part kda_bench 250 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls jla,fla,ours_pallas --out "$OUT/kda.jsonl"
+kda_full() {  # one GPU: every KDA GPU test, the scores kernels alone, all four shapes, fla last
+  part kda_gpu_tests 180 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  part kda_scores_parts 70 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
+    --variants kernels,exact_exp --out "$OUT/kda_scores.jsonl"
+  part kda_bench 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas,jla --out "$OUT/kda.jsonl"
+  # fla's Triton autotuning takes minutes on its first shapes: its own box, two shapes.
+  part kda_fla 110 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
+    --shapes 1,8192,16,128 8,4096,16,128 --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
