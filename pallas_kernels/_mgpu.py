@@ -28,6 +28,16 @@ def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
 
 
+def store_split(value, parts) -> None:
+    """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` to ~8 significant bits
+    a part (two: ~16 bits, what a split-bf16 tensor-core product needs; three: exact)."""
+    for i, part_ref in enumerate(parts):
+        part = value.astype(BF16)
+        part_ref[...] = part
+        if i + 1 < len(parts):
+            value = value - part.astype(F32)
+
+
 def load(ref, layout=WG) -> jax.Array:
     return plgpu.load(ref, layout=layout, optimized=False)
 

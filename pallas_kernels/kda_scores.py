@@ -58,6 +58,7 @@ from pallas_kernels._mgpu import (
     load,
     matmul,
     shared_lowering,
+    store_split,
     tiles,
 )
 
@@ -74,8 +75,8 @@ SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant 
 
 def _siblings(lg):
     """``[C, C]`` bool: row ``r`` in a right block of level ``s = 2^lg``, column ``j`` in its left
-    sibling (``lg`` a Python int or a traced int32 scalar, as in every level helper but the select).
-    The indices are made here, not passed in, so no ``[C, C]`` index array stays live across levels."""
+    sibling (``lg`` a traced int32 scalar: the levels are a loop). The indices are made here, not
+    passed in, so no ``[C, C]`` index array stays live across levels."""
     rb, jb = iota((CHUNK, CHUNK), 0) >> lg, iota((CHUNK, CHUNK), 1) >> lg
     return (rb == (jb | 1)) & ((jb & 1) == 0)
 
@@ -85,14 +86,6 @@ def _anchor_matrix(lg):
     rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
     anchor_row = ((rows >> (lg + 1)) << (lg + 1)) + (1 << lg)
     return jnp.where(cols == anchor_row, 1.0, 0.0).astype(BF16)
-
-
-def _store_split(value, parts):
-    """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` (exact for three)."""
-    for part_ref in parts:
-        part = value.astype(BF16)
-        part_ref[...] = part
-        value = value - part.astype(F32)
 
 
 def _anchors(p_ref, parts):
@@ -105,6 +98,14 @@ def _decay(g, anchor):
     """``[C, KT]`` fp32 ``E[x] = exp(-|G_x - G_p(x)|)`` from ``G`` and the anchors' rows."""
     d = g - anchor
     return jnp.exp(jnp.minimum(d, -d))
+
+
+def _level_decay(lg, g, p_s, parts):
+    """Level ``2^lg``'s ``E`` for one channel tile: ``G`` (registers) and its bf16 ``parts`` (SMEM);
+    ``p_s`` is SMEM for ``P_s``."""
+    p_s[...] = _anchor_matrix(lg)
+    plgpu.commit_smem()
+    return _decay(g, _anchors(p_s, parts))
 
 
 def _channels(dk: int):
@@ -152,13 +153,11 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
             scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
         p_s, g_parts = refs[0], refs[1:]
         for t, ch in enumerate(chs):
-            _store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
+            store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
 
         def level(lg, scores):  # the off-diagonal pairs of one anchored level
-            p_s[...] = _anchor_matrix(lg)
-            plgpu.commit_smem()
             for t, ch in enumerate(chs):
-                e = _decay(load(g_s.at[:, ch]), _anchors(p_s, [part.at[t] for part in g_parts]))
+                e = _level_decay(lg, load(g_s.at[:, ch]), p_s, [part.at[t] for part in g_parts])
                 bp_s.at[t][...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
                 for i in range(nl):
                     ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
@@ -181,8 +180,7 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
         tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_fwd", interpret, approx_math=True, out_type=out_type,
-                 grid=(tp // CHUNK, h, nb),
-                 grid_names=("n", "h", "b"), scratch_types=scratch)
+                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(*lhs, b, g)
 
 
@@ -194,8 +192,9 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
 
     ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``). One warpgroup per
     channel tile (two at K = 128): the tiles are independent given ``dS``, and the kernel is bound by
-    the latency of its dependent WGMMA / exp steps, which a second warpgroup on the SM hides (ptxas:
-    255 registers per thread, so no second CTA fits beside a one-warpgroup CTA).
+    the latency of its dependent WGMMA / exp steps, which a second warpgroup on the SM hides (with
+    one warpgroup, its 160 KB of SMEM left room for one CTA per SM; H200: 2.77 -> 2.22 ms at
+    (8, 4096, 16, 128)).
     """
     nb, h, tp, dk = b.shape
     nl, no, nh = len(lhs), len(which), dk // KT
@@ -229,13 +228,11 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
         g_ch = load(g_s)
-        _store_split(g_ch, g_parts)
+        store_split(g_ch, g_parts)
 
         def level(lg, carry):  # (da per output: row side, db: column side)
             da, db = carry
-            p_s[...] = _anchor_matrix(lg)
-            plgpu.commit_smem()
-            e = _decay(g_ch, _anchors(p_s, g_parts))
+            e = _level_decay(lg, g_ch, p_s, g_parts)
             bp_s[...] = (load(b_s).astype(F32) * e).astype(BF16)
             for i in range(nl):
                 ap_s[i][...] = (load(a_s[i]).astype(F32) * e).astype(BF16)
@@ -257,8 +254,8 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
             dg = dg + avals[o] * da[o]
         dg_ref.at[bi, hi, tok, ch][...] = dg
         # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
+        diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
         for o in range(no):
-            diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
             w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
             w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
             da[o] = da[o] + w * bvals
@@ -283,8 +280,8 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         plgpu.Barrier(num_arrivals=nh),
     )
     run = kernel(body, "kda_scores_bwd", interpret, approx_math=True, out_type=out_type,
-                 grid=(tp // CHUNK, h, nb),
-                 grid_names=("n", "h", "b"), num_threads=nh, thread_name="wg", scratch_types=scratch)
+                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), num_threads=nh,
+                 thread_name="wg", scratch_types=scratch)
     return run(*lhs, b, g, *dss)
 
 

@@ -36,7 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, COL, F32, iota, kernel, load, matmul, shared_lowering, tiles
+from pallas_kernels._mgpu import (COL, F32, iota, kernel, load, matmul, shared_lowering, store_split,
+                                  tiles)
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
@@ -90,13 +91,6 @@ def _diagonal_blocks_inverse(l_s, s_s):
     return s
 
 
-def _split(value, hi_s, lo_s):
-    """Store fp32 ``value`` as bf16 high and low parts (their sum has ~16 significant bits)."""
-    hi = value.astype(BF16)
-    hi_s[...] = hi
-    lo_s[...] = (value - hi.astype(F32)).astype(BF16)
-
-
 def _product(x_parts, y_parts):
     """``x @ y`` (``[C, C]`` fp32) from split operands: refs or transposed refs of bf16 parts."""
     (x_hi, x_lo), (y_hi, y_lo) = x_parts, y_parts
@@ -106,8 +100,8 @@ def _product(x_parts, y_parts):
 def _precise_product(x, y, split_s):
     """``x @ y`` for fp32 ``[C, C]`` register arrays."""
     x_hi_s, x_lo_s, y_hi_s, y_lo_s = split_s
-    _split(x, x_hi_s, x_lo_s)
-    _split(y, y_hi_s, y_lo_s)
+    store_split(x, (x_hi_s, x_lo_s))
+    store_split(y, (y_hi_s, y_lo_s))
     plgpu.commit_smem()
     return _product((x_hi_s, x_lo_s), (y_hi_s, y_lo_s))
 
@@ -137,20 +131,19 @@ def _fwd_call(lower, x, y, *, interpret):
     nb, h, tp, _ = lower.shape
     dk, dv = x.shape[-1], y.shape[-1]
 
-    def body(l_ref, x_ref, y_ref, t_ref, w_ref, u_ref, l_s, x_s, y_s, s_s, d_s, *split_s):
-        bar = split_s[-1]
-        t_hi, t_lo, z_hi, z_lo = split_s[:4]
+    def body(l_ref, x_ref, y_ref, t_ref, w_ref, u_ref, l_s, x_s, y_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo,
+             bar):
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in ((l_ref, l_s), (x_ref, x_s), (y_ref, y_s)):
             plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
         plgpu.barrier_wait(bar)
-        t = _chunk_inverse(l_s, s_s, d_s, split_s[:4])
+        t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
         t_ref.at[bi, hi, tok][...] = t
-        _split(t, t_hi, t_lo)
+        store_split(t, (t_hi, t_lo))
         for z_s, out_ref, n in ((x_s, w_ref, dk), (y_s, u_ref, dv)):
             for cols in _column_tiles(n):
-                _split(load(z_s.at[:, cols]), z_hi, z_lo)
+                store_split(load(z_s.at[:, cols]), (z_hi, z_lo))
                 plgpu.commit_smem()
                 out_ref.at[bi, hi, tok, cols][...] = _product((t_hi, t_lo), (z_hi, z_lo))
 
@@ -175,20 +168,20 @@ def _bwd_call(t, x, y, dw, du, *, interpret):
         for src, dst in ((t_ref, t_s), (x_ref, x_s), (y_ref, y_s), (dw_ref, dw_s), (du_ref, du_s)):
             plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
         plgpu.barrier_wait(bar)
-        _split(load(t_s), t_hi, t_lo)
+        store_split(load(t_s), (t_hi, t_lo))
         dt = None
         for z_s, dz_s, dz_ref, n in ((x_s, dw_s, dx_ref, dk), (y_s, du_s, dy_ref, dv)):
             for cols in _column_tiles(n):
-                _split(load(dz_s.at[:, cols]), a_hi, a_lo)
-                _split(load(z_s.at[:, cols]), b_hi, b_lo)
+                store_split(load(dz_s.at[:, cols]), (a_hi, a_lo))
+                store_split(load(z_s.at[:, cols]), (b_hi, b_lo))
                 plgpu.commit_smem()
                 part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))        # dW X^T, one tile of K
                 dt = part if dt is None else dt + part
                 dz_ref.at[bi, hi, tok, cols][...] = _product((t_hi.T, t_lo.T), (a_hi, a_lo))  # T^T dW
-        _split(dt, a_hi, a_lo)
+        store_split(dt, (a_hi, a_lo))
         plgpu.commit_smem()
         tt_dt = _product((t_hi.T, t_lo.T), (a_hi, a_lo))              # T^T dT
-        _split(tt_dt, b_hi, b_lo)
+        store_split(tt_dt, (b_hi, b_lo))
         plgpu.commit_smem()
         dm = _product((b_hi, b_lo), (t_hi.T, t_lo.T))                 # (T^T dT) T^T
         strict = iota(FULL, 0) > iota(FULL, 1)
