@@ -104,7 +104,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       chunk_size: 64.
       interpret: run the kernels in the Mosaic GPU interpreter (CPU tests).
       scores: how the intra-chunk score matrices are built: ``"mosaic"`` (the Mosaic GPU kernel pair
-        of :mod:`pallas_kernels.kda_scores`, the faster on the H200: docs/benchmarks.md) or ``"xla"`` (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
+        of :mod:`pallas_kernels.kda_scores`, the faster on the H200: docs/benchmarks.md) or ``"xla"``
+        (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
       solve: how the chunks' ``T = (I + L)^-1`` and ``W = T (beta Gamma K)``, ``U = T (beta V)`` are
         formed: ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one CTA per chunk, forward and
         backward kernels) or ``"xla"`` (a batched triangular solve and fp32 matmuls).
