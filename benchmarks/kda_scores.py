@@ -5,12 +5,13 @@ forward + backward on the H200 (docs/benchmarks.md, fifth session), far more tha
 stores and WGMMAs account for. This times the forward kernel (``Aqk`` and ``Akk``) and the backward
 kernel alone at one shape, jitted, median of 5 x 10 calls, for:
 
-- ``kernels``: the kernels as they are (correct results), and ``exact_exp``: the same without
-  Mosaic's approximate math (``ex2.approx``, which the kernels use);
+- ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes
+  every chunk bounded, so the two-level fast path runs), ``exact_exp``: the same without Mosaic's
+  approximate math (``ex2.approx``, which the kernels use), and ``exact_levels``: every chunk
+  flagged unbounded, so the six exact levels run (what a steep softplus gate costs);
 - ablations, **timing only, wrong results**: each swaps one helper of the kernel module while it is
   traced, to show what that part costs: ``no_anchors`` (anchors = the row itself, no ``P_s G``
-  WGMMAs), ``no_exp`` (the decay without its exponential), ``one_level`` (the level-32 WGMMAs only,
-  of six levels), ``no_decay`` (neither anchors nor exponentials).
+  WGMMAs), ``no_exp`` (the exact levels' decay without its exponential).
 
 One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms", "shape"}`` (or an
 ``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
@@ -49,10 +50,9 @@ def _exact_kernel(*args, approx_math, **kwargs):
 ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
     "kernels": {},
     "exact_exp": {"kernel": _exact_kernel},
+    "exact_levels": {"bounded_chunks": lambda g: jnp.zeros(g.shape[:2] + (g.shape[2] // 64,), jnp.int32)},
     "no_anchors": {"_anchors": _no_anchors},
     "no_exp": {"_decay": lambda g, anchor: g - anchor},
-    "one_level": {"LOG_LEVELS": (5,)},
-    "no_decay": {"_anchors": _no_anchors, "_decay": lambda g, anchor: g},
 }
 
 
@@ -72,9 +72,10 @@ def _swapped(attrs: dict):
 def _kernels():
     """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
     fwd = jax.jit(lambda q, k, g: kda_scores._fwd_call(  # noqa: E731
-        (q,), k, g, which=(0, -1), out_dtype=jnp.dtype(F32), interpret=False))
+        (q,), k, g, kda_scores.bounded_chunks(g), which=(0, -1), out_dtype=jnp.dtype(F32),
+        interpret=False))
     bwd = jax.jit(lambda q, k, g, d1, d2: kda_scores._bwd_call(  # noqa: E731
-        (q,), k, g, (d1, d2), which=(0, -1), interpret=False))
+        (q,), k, g, (d1, d2), kda_scores.bounded_chunks(g), which=(0, -1), interpret=False))
     return fwd, bwd
 
 

@@ -24,6 +24,16 @@ Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient is
 ``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
 
+Bounded chunks (the fast path): when no row of a 32-row block is more than ``BOUND`` nats of decay
+from the block's middle row ``m`` (its 16th; every chunk of K3's lower-bound gate, whose 16-token
+spans stay under ``16 * 5 = 80`` nats), the levels below 32 are replaced by one level that factors
+every pair of a 32-row block through ``m``: rows take ``exp(G_r - G_m)``, columns ``exp(G_m - G_j)``,
+each at most ``exp(BOUND)``, so nothing overflows fp32 or bf16 (products of the pairs the mask drops
+may, and are dropped). Two WGMMA levels instead of six. The flag is per (batch, head, chunk)
+(:func:`bounded_chunks`), so a chunk with a steeper gate (softplus form) takes the exact levels
+while its neighbours take the fast path; the same decomposition is FlashKDA's and
+jax-linear-attention's bounded path (written here from the algebra).
+
 Anchors: each level needs ``G[p(x)]`` for every row; they are formed as ``P_s G`` on the tensor
 cores, with a 0/1 matrix ``P_s`` and ``G`` split into three bf16 parts (one nonzero product per
 entry, so exact to fp32 rounding). Every level then runs the same code, so the levels are one loop.
@@ -67,6 +77,8 @@ KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
+BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their 16th row
+BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
 SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits)
 
 
@@ -100,39 +112,85 @@ def _decay(g, anchor):
     return jnp.exp(jnp.minimum(d, -d))
 
 
-def _level_decay(lg, g, p_s, parts):
-    """Level ``2^lg``'s ``E`` for one channel tile: ``G`` (registers) and its bf16 ``parts`` (SMEM);
-    ``p_s`` is SMEM for ``P_s``."""
+def _pairs(lg, bounded: bool):
+    """``[C, C]`` bool: the pairs ``(r, j)`` a level computes: siblings (exact level), or every
+    ``r > j`` in one block of ``2^(lg + 1)`` rows (bounded level)."""
+    if not bounded:
+        return _siblings(lg)
+    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+    return ((rows >> (lg + 1)) == (cols >> (lg + 1))) & (rows > cols)
+
+
+def _level_decay(lg, g, p_s, parts, bounded: bool = False):
+    """Level ``2^lg``'s ``(row factor, column factor)`` for one channel tile: ``G`` (registers) and
+    its bf16 ``parts`` (SMEM); ``p_s`` is SMEM for ``P_s``. Exact level: both ``E``; bounded level:
+    ``exp(G_x - G_p(x))`` and its inverse (module docstring)."""
     p_s[...] = _anchor_matrix(lg)
     plgpu.commit_smem()
-    return _decay(g, _anchors(p_s, parts))
+    anchor = _anchors(p_s, parts)
+    if bounded:
+        d = g - anchor
+        return jnp.exp(d), jnp.exp(-d)
+    e = _decay(g, anchor)
+    return e, e
 
 
 def _channels(dk: int):
     return [pl.ds(h * KT, KT) for h in range(dk // KT)]
 
 
-def _over_levels(level, carry):
-    """``carry = level(lg, carry)`` for each level (``lg`` traced), coarsest first."""
+def _exact_levels_below_top(level, carry):
+    """``carry = level(lg, carry)`` for every exact level but the coarsest (``lg`` traced)."""
     top = LOG_LEVELS[0]
-    return lax.fori_loop(0, len(LOG_LEVELS), lambda i, c: level(top - i, c), carry)
+    return lax.fori_loop(1, len(LOG_LEVELS), lambda i, c: level(top - i, c), carry)
+
+
+def _by_chunk_kind(flags_ref, level, carry, finish):
+    """The coarsest level (exact either way), then ``finish`` on the result of the bounded level
+    where this chunk's flag is set, else of the exact levels below it (``level(lg, carry, bounded)``).
+    """
+    carry = level(LOG_LEVELS[0], carry, False)
+    bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")] != 0
+
+    @pl.when(bounded)
+    def _():
+        finish(level(BOUNDED_LG, carry, True))
+
+    @pl.when(jnp.logical_not(bounded))
+    def _():
+        finish(_exact_levels_below_top(lambda lg, c: level(lg, c, False), carry))
+
+
+def bounded_chunks(g_cum):
+    """``[B, H, NC]`` int32: 1 where every row of each 32-row block of the chunk lies within
+    :data:`BOUND` nats (every channel) of the block's 16th row, the chunks the fast path may take.
+
+    g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay. A NaN fails the test (exact path).
+    """
+    nb, h, tp, dk = g_cum.shape
+    g = g_cum.astype(F32).reshape(nb, h, tp // CHUNK, CHUNK // 32, 32, dk)
+    mid = g[..., 16:17, :]
+    span = jnp.max(jnp.abs(g - mid), axis=(-3, -2, -1))
+    return (span <= BOUND).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
-    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``).
+def _fwd_call(lhs, b, g, flags, *, which, out_dtype, interpret):
+    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``);
+    ``flags`` is :func:`bounded_chunks` of ``g``.
 
-    Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128):
-    1.64 ms; tiles outermost, which halves the scaled operands' SMEM, 1.72 ms; one warpgroup per
-    output, 2.52 ms: the duplicated decay work costs more than the second warpgroup hides.)"""
+    Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128),
+    six exact levels: 1.64 ms; tiles outermost, which halves the scaled operands' SMEM, 1.72 ms; one
+    warpgroup per output, 2.52 ms: the duplicated decay work costs more than the second warpgroup
+    hides.)"""
     nb, h, tp, dk = b.shape
     nl, nh, chs = len(lhs), dk // KT, _channels(dk)
     out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), out_dtype) for _ in which)
 
     def body(*refs):
-        a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+        a_refs, (b_ref, g_ref, flags_ref), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
         outs, refs = refs[:len(which)], refs[len(which):]
         a_s, (b_s, g_s, bp_s), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
         ap_s, bar, refs = refs[:nl], refs[nl], refs[nl + 1:]
@@ -142,7 +200,6 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
             plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
         plgpu.barrier_wait(bar)
         lhs_s = [b_s if w < 0 else a_s[w] for w in which]
-        lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
 
         # Diagonal, exact in fp32.
@@ -152,49 +209,59 @@ def _fwd_call(lhs, b, g, *, which, out_dtype, interpret):
                       for ch in chs)
             scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
         p_s, g_parts = refs[0], refs[1:]
+        br_s = g_parts[-1]  # b times the row factor: the bounded level is the last to read G's parts
         for t, ch in enumerate(chs):
             store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
 
-        def level(lg, scores):  # the off-diagonal pairs of one anchored level
+        def level(lg, scores, bounded):  # the pairs of one anchored level
             for t, ch in enumerate(chs):
-                e = _level_decay(lg, load(g_s.at[:, ch]), p_s, [part.at[t] for part in g_parts])
-                bp_s.at[t][...] = (load(b_s.at[:, ch]).astype(F32) * e).astype(BF16)
+                er, ec = _level_decay(lg, load(g_s.at[:, ch]), p_s, [part.at[t] for part in g_parts],
+                                      bounded)
+                bvals = load(b_s.at[:, ch]).astype(F32)
+                bp_s.at[t][...] = (bvals * ec).astype(BF16)
+                if bounded and -1 in which:  # b as the row operand needs the row factor
+                    br_s.at[t][...] = (bvals * er).astype(BF16)
                 for i in range(nl):
-                    ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * e).astype(BF16)
+                    ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * er).astype(BF16)
             plgpu.commit_smem()
-            keep = _siblings(lg)
+            keep = _pairs(lg, bounded)
+            b_row = br_s if bounded else bp_s
+            lhs_p = [b_row if w < 0 else ap_s[w] for w in which]
             return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(x_p.at[t], bp_s.at[t].T)
                                                                        for t in range(nh)]), 0.0)
                          for sc, x_p in zip(scores, lhs_p))
 
-        scores = _over_levels(level, tuple(scores))
-        for out, sc in zip(outs, scores):
-            out.at[bi, hi, tok][...] = sc.astype(out_dtype)
+        def store(scores):
+            for out, sc in zip(outs, scores):
+                out.at[bi, hi, tok][...] = sc.astype(out_dtype)
+
+        _by_chunk_kind(flags_ref, level, tuple(scores), store)
 
     scratch = (
         *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
         plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
-        tiles((nh, CHUNK, KT)),  # b E, per channel tile
-        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
+        tiles((nh, CHUNK, KT)),  # b times the column factor, per channel tile
+        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a times the row factor
         plgpu.Barrier(num_arrivals=nl + 2),
         tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_fwd", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(*lhs, b, g)
+    return run(*lhs, b, g, flags)
 
 
 # --------------------------------------------------------------------------- backward kernel
 
 
-def _bwd_call(lhs, b, g, dss, *, which, interpret):
-    """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``.
+def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
+    """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``;
+    ``flags`` is :func:`bounded_chunks` of ``g``.
 
     ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``). One warpgroup per
     channel tile (two at K = 128): the tiles are independent given ``dS``, and the kernel is bound by
     the latency of its dependent WGMMA / exp steps, which a second warpgroup on the SM hides (with
     one warpgroup, its 160 KB of SMEM left room for one CTA per SM; H200: 2.77 -> 2.22 ms at
-    (8, 4096, 16, 128)).
+    (8, 4096, 16, 128), six exact levels).
     """
     nb, h, tp, dk = b.shape
     nl, no, nh = len(lhs), len(which), dk // KT
@@ -203,12 +270,12 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
 
     def body(*refs):
         a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
-        ds_refs, refs = refs[:no], refs[no:]
+        ds_refs, (flags_ref,), refs = refs[:no], refs[no:no + 1], refs[no + 1:]
         da_refs, (db_ref, dg_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         a_all, (b_all, g_all), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
         ds_s, refs = refs[:no], refs[no:]
-        bp_all, ap_all, dsl_all = refs[0], refs[1:1 + nl], refs[1 + nl:1 + nl + no]
-        p_all, *parts_all, bar, done = refs[1 + nl + no:]
+        bp_all, ap_all, refs = refs[0], refs[1:1 + nl], refs[1 + nl:]
+        dsl_all, (p_all, *parts_all, bar, done) = refs[:no], refs[no:]
         bi, hi, ni, wg = (lax.axis_index(n) for n in ("b", "h", "n", "wg"))
         tok = pl.ds(ni * CHUNK, CHUNK)
 
@@ -225,55 +292,63 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
         a_s, b_s, g_s = [x.at[wg] for x in a_all], b_all.at[wg], g_all.at[wg]
         bp_s, ap_s, dsl_s = bp_all.at[wg], [x.at[wg] for x in ap_all], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
-        lhs_p = [bp_s if w < 0 else ap_s[w] for w in which]
+        br_s = g_parts[-1]  # b times the row factor: the bounded level is the last to read G's parts
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
         g_ch = load(g_s)
         store_split(g_ch, g_parts)
 
-        def level(lg, carry):  # (da per output: row side, db: column side)
+        def level(lg, carry, bounded):  # (da per output: row side, db: column side)
             da, db = carry
-            e = _level_decay(lg, g_ch, p_s, g_parts)
-            bp_s[...] = (load(b_s).astype(F32) * e).astype(BF16)
+            er, ec = _level_decay(lg, g_ch, p_s, g_parts, bounded)
+            bvals = load(b_s).astype(F32)
+            bp_s[...] = (bvals * ec).astype(BF16)
+            if bounded and -1 in which:  # b as the row operand needs the row factor
+                br_s[...] = (bvals * er).astype(BF16)
             for i in range(nl):
-                ap_s[i][...] = (load(a_s[i]).astype(F32) * e).astype(BF16)
-            keep = _siblings(lg)
+                ap_s[i][...] = (load(a_s[i]).astype(F32) * er).astype(BF16)
+            keep = _pairs(lg, bounded)
             for o in range(no):
                 dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
             plgpu.commit_smem()
-            da = tuple(d + e * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
-            db = db + e * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
+            b_row = br_s if bounded else bp_s
+            lhs_p = [b_row if w < 0 else ap_s[w] for w in which]
+            da = tuple(d + er * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
+            db = db + ec * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
             return da, db
 
-        da, db = _over_levels(level, ((zero,) * no, zero))
-        da = list(da)
-        ch = pl.ds(wg * KT, KT)
-        bvals = load(b_s).astype(F32)
-        avals = [bvals if w < 0 else load(a_s[w]).astype(F32) for w in which]
-        dg = -bvals * db
-        for o in range(no):
-            dg = dg + avals[o] * da[o]
-        dg_ref.at[bi, hi, tok, ch][...] = dg
-        # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
-        diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-        for o in range(no):
-            w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
-            w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
-            da[o] = da[o] + w * bvals
-            db = db + w * avals[o]
-        for o, wo in enumerate(which):
-            if wo < 0:
-                db = db + da[o]
-            else:
-                da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
-        db_ref.at[bi, hi, tok, ch][...] = db
-        finish_together(done)
+        def finish(carry):
+            da, db = carry
+            da = list(da)
+            ch = pl.ds(wg * KT, KT)
+            bvals = load(b_s).astype(F32)
+            avals = [bvals if w < 0 else load(a_s[w]).astype(F32) for w in which]
+            dg = -bvals * db
+            for o in range(no):
+                dg = dg + avals[o] * da[o]
+            dg_ref.at[bi, hi, tok, ch][...] = dg
+            # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
+            diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
+            for o in range(no):
+                w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
+                w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
+                da[o] = da[o] + w * bvals
+                db = db + w * avals[o]
+            for o, wo in enumerate(which):
+                if wo < 0:
+                    db = db + da[o]
+                else:
+                    da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
+            db_ref.at[bi, hi, tok, ch][...] = db
+            finish_together(done)
+
+        _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish)
 
     per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (
         *(per_tile(BF16) for _ in range(nl)), per_tile(BF16), per_tile(F32),  # a, b, G (plain)
         *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
-        tiles((nh, CHUNK, KT)),  # b E, one per warpgroup
-        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a E
+        tiles((nh, CHUNK, KT)),  # b times the column factor, one per warpgroup
+        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a times the row factor
         *(tiles((nh, CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
         tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
         plgpu.Barrier(num_arrivals=(nl + 2) * nh + no),
@@ -282,7 +357,7 @@ def _bwd_call(lhs, b, g, dss, *, which, interpret):
     run = kernel(body, "kda_scores_bwd", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), num_threads=nh,
                  thread_name="wg", scratch_types=scratch)
-    return run(*lhs, b, g, *dss)
+    return run(*lhs, b, g, *dss, flags)
 
 
 _fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype"))
@@ -298,18 +373,20 @@ def _bf16(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _scores(lhs, b, g, which, out_dtype, interpret):
-    return _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), which=which, out_dtype=out_dtype,
-                    interpret=interpret)
+    return _scores_fwd(lhs, b, g, which, out_dtype, interpret)[0]
 
 
 def _scores_fwd(lhs, b, g, which, out_dtype, interpret):
-    return _scores(lhs, b, g, which, out_dtype, interpret), (lhs, b, g)
+    flags = bounded_chunks(g)
+    out = _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), flags, which=which,
+                   out_dtype=out_dtype, interpret=interpret)
+    return out, (lhs, b, g, flags)
 
 
 def _scores_bwd(which, out_dtype, interpret, res, dss):
-    lhs, b, g = res
-    *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), which=which,
-                           interpret=interpret)
+    lhs, b, g, flags = res
+    *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), flags,
+                           which=which, interpret=interpret)
     return (tuple(d.astype(x.dtype) for d, x in zip(da, lhs)), db.astype(b.dtype), dg.astype(g.dtype))
 
 
@@ -371,4 +448,4 @@ def scores_reference(a, b, g_cum):
     return jnp.where(lower, s, 0.0).reshape(nb, h, tp, CHUNK)
 
 
-__all__ = ["scores", "qk_kk_scores", "scores_reference", "CHUNK", "HEAD_DIMS"]
+__all__ = ["scores", "qk_kk_scores", "scores_reference", "bounded_chunks", "CHUNK", "HEAD_DIMS"]

@@ -33,12 +33,12 @@ kda() {  # one GPU: the default path's GPU tests, ours against the XLA solve and
   part kda_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
   part kda_ours 100 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
-    --impls ours_pallas,ours_pallas_xla_solve,jla --shapes 8,4096,16,128 --profile /tmp/prof \
-    --out "$OUT/kda.jsonl"
-  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 30 > "$OUT/profile_top.jsonl" 2>&1
+    --impls ours_pallas,jla --shapes 8,4096,16,128 --profile /tmp/prof --out "$OUT/kda.jsonl"
+  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
+  cp /tmp/prof/ours_pallas/hlo.txt.gz "$OUT/ours_pallas_hlo.txt.gz" 2>/dev/null
   # ptxas's register and spill counts of every Mosaic kernel the scores benchmark compiles.
   part kda_scores_parts 100 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
-    benchmarks/kda_scores.py --variants kernels,exact_exp,one_level --out "$OUT/kda_scores.jsonl"
+    benchmarks/kda_scores.py --variants kernels,exact_exp,exact_levels --out "$OUT/kda_scores.jsonl"
   grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }

@@ -71,7 +71,7 @@ def test_kda_scores_variants_lower_for_sm90():
     """Variants of the scores-kernel benchmark lower for an sm_90 target, and an ablation (a helper
     of the kernel module swapped while tracing) changes the kernel it lowers. (The kernels
     lower in tests/test_pallas_kda_scores.py; three variants here keep CI short.)"""
-    variants = {"kernels", "exact_exp", "no_decay"}
+    variants = {"kernels", "exact_exp", "no_exp"}
     rows = _run(["benchmarks/kda_scores.py", "--lower-only", "--shape", "1,128,2,64",
                  "--variants", ",".join(sorted(variants))])
     sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}

@@ -24,6 +24,7 @@ NAMES = ("q", "k", "v", "g", "beta", "h0")
 @pytest.mark.parametrize("d,t,gate,segments,scores,solve", [
     # the defaults (Mosaic scores and solve), XLA's solve, then the plain-JAX scores
     (128, 2048, "softplus", True, "mosaic", "mosaic"),
+    (128, 2048, "lower_bound", False, "mosaic", "mosaic"),
     (64, 777, "lower_bound", True, "mosaic", "mosaic"),
     (128, 2048, "softplus", True, "mosaic", "xla"),
     (128, 1000, "lower_bound", False, "xla", "xla"),

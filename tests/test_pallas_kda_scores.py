@@ -21,14 +21,22 @@ from pallas_kernels.kda_scores import qk_kk_scores, scores, scores_reference
 C = 64
 
 
+def _gate(f, gate):
+    return -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
+
+
 def _inputs(seed, b, h, tp, dk, gate):
-    """bf16-grid ``a, b`` (unit rows, like KDA's normalised q, k), chunk-local cumulative gates."""
+    """bf16-grid ``a, b`` (unit rows, like KDA's normalised q, k), chunk-local cumulative gates.
+    ``gate="mixed"``: the lower-bound gate except head 0's second chunk (softplus)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     a = bf16_rounded(unit(jax.random.normal(ks[0], (b, h, tp, dk))))
     bb = bf16_rounded(unit(jax.random.normal(ks[1], (b, h, tp, dk))))
     f = jax.random.normal(ks[2], (b, h, tp, dk))
-    g = -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
+    if gate == "mixed":
+        g = _gate(f, "lower_bound").at[:, 0, C:2 * C].set(_gate(f[:, 0, C:2 * C], "softplus"))
+    else:
+        g = _gate(f, gate)
     g_cum = jnp.cumsum(g.reshape(b, h, tp // C, C, dk), axis=-2).reshape(b, h, tp, dk)
     return a, bb, g, g_cum
 
@@ -45,8 +53,10 @@ def _check_grads(ref_grads, ker_grads, names):
 
 
 def test_qk_kk_scores_values_and_gradients():
-    """Aqk and Akk from one call (K = 64, two heads, two chunks, K3's lower-bound gate)."""
-    q, k, _, g_cum = _inputs(0, 1, 2, 2 * C, 64, "lower_bound")
+    """Aqk and Akk from one call (K = 64, two heads, two chunks): K3's lower-bound gate (the bounded
+    path) in three chunks, a softplus gate past exp's fp32 range (the exact levels) in the fourth."""
+    q, k, _, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
+    np.testing.assert_array_equal(kda_scores.bounded_chunks(g_cum), [[[1, 0], [1, 1]]])
     q = q * 0.125
     ker = lambda q, k, g: qk_kk_scores(q, k, g, interpret=True)  # noqa: E731
     ref = lambda q, k, g: (scores_reference(q, k, g), scores_reference(k, k, g))  # noqa: E731
@@ -66,6 +76,7 @@ def test_scores_softplus_gate_past_fp32_exp_range_k128():
     and the gradients of a, b, g_cum."""
     a, b, g, g_cum = _inputs(2, 1, 1, C, 128, "softplus")
     assert float(jnp.min(jnp.sum(g[:, :, :16], axis=2))) < -88.0  # the overflow regime is exercised
+    assert not kda_scores.bounded_chunks(g_cum).any()  # so the exact levels run
     ker = lambda a, b, g: scores(a, b, g, interpret=True)  # noqa: E731
     r, ref_vjp = jax.vjp(scores_reference, a, b, g_cum)
     s, ker_vjp = jax.vjp(ker, a, b, g_cum)
@@ -104,12 +115,13 @@ def test_kernels_lower_for_cuda(dk):
     the interpreter alone would accept layouts that do not lower."""
     bf, f32 = (jax.ShapeDtypeStruct((1, 2, 2 * C, dk), d) for d in (jnp.bfloat16, jnp.float32))
     ds = jax.ShapeDtypeStruct((1, 2, 2 * C, C), jnp.float32)
+    flags = jax.ShapeDtypeStruct((1, 2, 2), jnp.int32)
     fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtype", "interpret"))
     bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "interpret"))
     for which in ((0, -1), (0,)):
-        fwd.trace((bf,), bf, f32, which=which, out_dtype=jnp.dtype(jnp.float32),
+        fwd.trace((bf,), bf, f32, flags, which=which, out_dtype=jnp.dtype(jnp.float32),
                   interpret=False).lower(lowering_platforms=("cuda",))
-        bwd.trace((bf,), bf, f32, (ds,) * len(which), which=which,
+        bwd.trace((bf,), bf, f32, (ds,) * len(which), flags, which=which,
                   interpret=False).lower(lowering_platforms=("cuda",))
 
 
