@@ -62,7 +62,7 @@ def _state_pass_bwd(chunk_size, interpret, res, cts):
     dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
-    return dqg.sum(0), dkg.sum(0), dw.sum(0), du, daqk.sum(0), dgam.sum(0), dh0
+    return dqg, dkg, dw, du, daqk, dgam.sum(0), dh0
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
