@@ -134,7 +134,7 @@ def breakdown(args):
     fwd_k = jax.jit(lambda *a: state_fwd(*a, chunk_size=64))
     o, fin, st, vt = fwd_k(*kin)
     bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=64))
-    bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, bf(o), fin)
+    bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, o, fin)
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
     return {"prep_fwd_ms": time_jax(jax.jit(prep), args), "state_fwd_kernel_ms": time_jax(fwd_k, kin),
             "state_bwd_kernel_ms": time_jax(bwd_k, bin_), "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}

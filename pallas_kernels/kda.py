@@ -59,7 +59,7 @@ def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
 def _state_pass_bwd(chunk_size, interpret, res, cts):
     qg, kg, w, aqk, gamma, states, vt = res
     do, dfinal = cts
-    dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, _bf16(do),
+    dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, do,
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
     return dqg, dkg, dw, du, daqk, dgam.sum(0), dh0
@@ -121,7 +121,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)
-    o = jnp.swapaxes(o, 1, 2)[:, :t].astype(q.dtype)
+    o = o[:, :t]  # bf16 [B, Tp, H, V] from the kernel
     return o, (final if output_final_state else None)
 
 

@@ -35,7 +35,7 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  aqk: ``[B, H, Tp, C]`` bf16.  gamma: ``[B, H, NC, K]`` fp32.
       states: ``[B, H, NC, K, V]`` bf16 and vt ``[B, H, Tp, V]`` bf16 from the forward.
-      do: ``[B, H, Tp, V]`` bf16.  dfinal: ``[B, H, K, V]`` fp32.
+      do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).  dfinal: ``[B, H, K, V]`` fp32.
 
     Returns:
       ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C], dgamma [NV, B, H, NC, K], du [B, H, Tp, V],
@@ -71,7 +71,7 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
             for v, vc in enumerate(vcols):
                 plgpu.copy_gmem_to_smem(st_ref.at[bi, hi, n, :, vc], s_s.at[v], vbar)
                 plgpu.copy_gmem_to_smem(vt_ref.at[bi, hi, tok, vc], vt_s.at[v], vbar)
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, hi, tok, vc], do_s.at[v], vbar)
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, tok, hi, vc], do_s.at[v], vbar)
 
         @pl.when(wg == 0)
         def _():

@@ -6,8 +6,10 @@ Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA (one wa
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
 
-The chunk's inputs arrive by TMA one chunk ahead (two SMEM slots). For the backward it stores the
-state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt`` (bf16, ``[B, H, Tp, V]``).
+The chunk's inputs arrive by TMA one chunk ahead (two SMEM slots). ``O`` leaves in the caller's
+layout and dtype (bf16 ``[B, Tp, H, V]``), so XLA neither transposes nor converts it. For the
+backward it stores the state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt`` (bf16,
+``[B, H, Tp, V]``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
       gamma: ``[B, H, NC, K]`` fp32.  h0: ``[B, H, K, V]`` fp32 (zeros for no initial state).
 
     Returns:
-      ``(o [B, H, Tp, V] fp32, final [B, H, K, V] fp32, states [B, H, NC, K, V] bf16,
+      ``(o [B, Tp, H, V] bf16, final [B, H, K, V] fp32, states [B, H, NC, K, V] bf16,
       vt [B, H, Tp, V] bf16)``.
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
     nc, bv = tp // c, BLOCK_V
-    out_type = (jax.ShapeDtypeStruct((b, h, tp, dv), F32), jax.ShapeDtypeStruct((b, h, dk, dv), F32),
+    out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16), jax.ShapeDtypeStruct((b, h, dk, dv), F32),
                 jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16), jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, st_ref, vt_ref,
@@ -70,9 +72,9 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(vt_s, vt_ref.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
             o = matmul((c, bv), (qg_s.at[slot], s_s), (a_s.at[slot], vt_s))
-            o_s[...] = o
+            o_s[...] = o.astype(BF16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, pl.ds(n * c, c), hi, cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(load(gam_s.at[slot], ROW), (dk, bv), [0])
             return s * decay + matmul((dk, bv), (kg_s.at[slot].T, vt_s))
@@ -88,7 +90,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
         plgpu.SMEM((2, dk), F32),  # gamma
         tiles((dk, bv)),  # state entering the chunk
         tiles((c, bv)),  # vt
-        plgpu.SMEM((c, bv), F32),  # o
+        plgpu.SMEM((c, bv), BF16),  # o
         plgpu.Barrier(num_arrivals=6, num_barriers=2),
     )
     run = kernel(body, "kda_state_fwd", interpret, out_type=out_type, grid=(dv // bv, h, b),

@@ -97,9 +97,11 @@ def test_state_kernels_match_plain_jax(dv):
     rp, rh0 = vjp((do, dfin))
     o, f, st, vt = state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
                              chunk_size=64, interpret=True)
-    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+    assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
+    assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
     dqg, dkg, dw, da, dgam, du, dh0 = state_bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma,
-                                                st, vt, _bf16(do), dfin, chunk_size=64, interpret=True)
+                                                st, vt, _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64,
+                                                interpret=True)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam.sum(0)), (rp.u, du), (rh0, dh0)]
     for r, x in pairs:
@@ -118,7 +120,7 @@ def test_state_kernels_lower_for_cuda():
     jax.jit(lambda *a: state_fwd(*a, chunk_size=c)).trace(*fwd_in).lower(
         lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
-              sd((b, h, nc, d, d), bf), rows(d, bf), rows(d, bf), sd((b, h, d, d), f32))
+              sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf), sd((b, h, d, d), f32))
     jax.jit(lambda *a: state_bwd(*a, chunk_size=c)).trace(*bwd_in).lower(
         lowering_platforms=("cuda",))
 
