@@ -72,7 +72,7 @@ def _swapped(attrs: dict):
 def _kernels():
     """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
     fwd = jax.jit(lambda q, k, g: kda_scores._fwd_call(  # noqa: E731
-        (q,), k, g, kda_scores.bounded_chunks(g), which=(0, -1), out_dtype=jnp.dtype(F32),
+        (q,), k, g, kda_scores.bounded_chunks(g), which=(0, -1), out_dtypes=(jnp.dtype(F32),) * 2,
         interpret=False))
     bwd = jax.jit(lambda q, k, g, d1, d2: kda_scores._bwd_call(  # noqa: E731
         (q,), k, g, (d1, d2), kda_scores.bounded_chunks(g), which=(0, -1), interpret=False))

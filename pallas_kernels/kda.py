@@ -45,13 +45,14 @@ def _bf16(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    o, final, _, _ = _state_fwd_jit(_bf16(qg), _bf16(kg), _bf16(w), u, _bf16(aqk), gamma, h0,
+    """The state kernels; ``aqk`` bf16 (its cotangent comes back bf16), the rest fp32."""
+    o, final, _, _ = _state_fwd_jit(_bf16(qg), _bf16(kg), _bf16(w), u, aqk, gamma, h0,
                                chunk_size=chunk_size, interpret=interpret)
     return o, final
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    qg, kg, w, aqk = _bf16(qg), _bf16(kg), _bf16(w), _bf16(aqk)
+    qg, kg, w = _bf16(qg), _bf16(kg), _bf16(w)
     o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
     return (o, final), (qg, kg, w, aqk, gamma, states, vt)
 
@@ -62,7 +63,7 @@ def _state_pass_bwd(chunk_size, interpret, res, cts):
     dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, do,
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
-    return dqg, dkg, dw, du, daqk, dgam.sum(0), dh0
+    return dqg, dkg, dw, du, _bf16(daqk), dgam.sum(0), dh0
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
@@ -120,7 +121,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
                 scores=scores, solve=solve, interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    o, final = _state_pass(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size, interpret)
+    o, final = _state_pass(p.qg, p.kg, p.w, p.u, _bf16(p.aqk), p.gamma, h0, chunk_size, interpret)
     o = o[:, :t]  # bf16 [B, Tp, H, V] from the kernel
     return o, (final if output_final_state else None)
 

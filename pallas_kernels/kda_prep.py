@@ -45,8 +45,9 @@ _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 class Prepared(NamedTuple):
     """Per-chunk inputs of the state kernels, head-major ``[B, H, Tp, .]`` (``Tp`` padded to ``C``).
 
-    qg, kg, w: ``[B, H, Tp, K]`` fp32; u: ``[B, H, Tp, V]`` fp32; aqk: ``[B, H, Tp, C]`` fp32 (row
-    ``t`` holds the chunk-local row of ``Aqk``); gamma: ``[B, H, NC, K]`` fp32.
+    qg, kg, w: ``[B, H, Tp, K]`` fp32; u: ``[B, H, Tp, V]`` fp32; aqk: ``[B, H, Tp, C]`` (row ``t``
+    holds the chunk-local row of ``Aqk``), fp32, or bf16 from the Mosaic scores kernel (the state
+    kernels' operand dtype); gamma: ``[B, H, NC, K]`` fp32.
     """
 
     qg: jax.Array
@@ -163,8 +164,9 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
 
     if scores == "mosaic":
         heads_major = lambda x: x.reshape(b, h, nc * c, dk)  # noqa: E731  [B, H, NC, C, K] -> [B, H, Tp, K]
+        # Aqk in bf16, the state kernels' operand dtype; Akk in fp32 for the inverse.
         aqk, akk = qk_kk_scores(heads_major(qc * scale), heads_major(kc), heads_major(g_cum),
-                                interpret=interpret)
+                                out_dtype=(jnp.bfloat16, f32), interpret=interpret)
         aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
     else:
         aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)
@@ -175,7 +177,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     masks = _segment_masks(segment_ids, b, nc, c)
     if masks is not None:
         same, enter, leave = (m[:, None].astype(f32) for m in masks)  # broadcast over heads
-        aqk, akk = aqk * same, akk * same
+        aqk, akk = aqk * same.astype(aqk.dtype), akk * same
         gamma_rows = gamma_rows * enter[..., None]
         kdecay = kdecay * leave[..., None]
         gamma = gamma * enter[..., -1:]

@@ -177,9 +177,9 @@ def bounded_chunks(g_cum):
 # --------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_call(lhs, b, g, flags, *, which, out_dtype, interpret):
-    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``);
-    ``flags`` is :func:`bounded_chunks` of ``g``.
+def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
+    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``),
+    in the matching entry of ``out_dtypes``; ``flags`` is :func:`bounded_chunks` of ``g``.
 
     Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128),
     six exact levels: 1.64 ms; tiles outermost, which halves the scaled operands' SMEM, 1.72 ms; one
@@ -187,7 +187,7 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtype, interpret):
     hides.)"""
     nb, h, tp, dk = b.shape
     nl, nh, chs = len(lhs), dk // KT, _channels(dk)
-    out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), out_dtype) for _ in which)
+    out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), dt) for dt in out_dtypes)
 
     def body(*refs):
         a_refs, (b_ref, g_ref, flags_ref), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
@@ -232,8 +232,8 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtype, interpret):
                          for sc, x_p in zip(scores, lhs_p))
 
         def store(scores):
-            for out, sc in zip(outs, scores):
-                out.at[bi, hi, tok][...] = sc.astype(out_dtype)
+            for out, sc, dt in zip(outs, scores, out_dtypes):
+                out.at[bi, hi, tok][...] = sc.astype(dt)
 
         _by_chunk_kind(flags_ref, level, tuple(scores), store)
 
@@ -360,7 +360,7 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
     return run(*lhs, b, g, *dss, flags)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtype"))
+_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtypes"))
 _bwd_jit = shared_lowering(_bwd_call, ("which",))
 
 
@@ -372,18 +372,18 @@ def _bf16(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _scores(lhs, b, g, which, out_dtype, interpret):
-    return _scores_fwd(lhs, b, g, which, out_dtype, interpret)[0]
+def _scores(lhs, b, g, which, out_dtypes, interpret):
+    return _scores_fwd(lhs, b, g, which, out_dtypes, interpret)[0]
 
 
-def _scores_fwd(lhs, b, g, which, out_dtype, interpret):
+def _scores_fwd(lhs, b, g, which, out_dtypes, interpret):
     flags = bounded_chunks(g)
     out = _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), flags, which=which,
-                   out_dtype=out_dtype, interpret=interpret)
+                   out_dtypes=out_dtypes, interpret=interpret)
     return out, (lhs, b, g, flags)
 
 
-def _scores_bwd(which, out_dtype, interpret, res, dss):
+def _scores_bwd(which, out_dtypes, interpret, res, dss):
     lhs, b, g, flags = res
     *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), flags,
                            which=which, interpret=interpret)
@@ -393,7 +393,7 @@ def _scores_bwd(which, out_dtype, interpret, res, dss):
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-def _check(name: str, b, g, lhs, out_dtype):
+def _check(name: str, b, g, lhs, out_dtypes):
     shape = b.shape
     if len(shape) != 4 or shape[2] % CHUNK or shape[3] not in HEAD_DIMS:
         raise ValueError(f"{name}: b (or k) must be [B, H, Tp, K] with Tp a multiple of {CHUNK} and K in "
@@ -404,8 +404,9 @@ def _check(name: str, b, g, lhs, out_dtype):
     for arg, x in (("b", b), ("g_cum", g), *((f"lhs {i}", a) for i, a in enumerate(lhs))):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name}: {arg} must be floating point, got {x.dtype}")
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    for dt in out_dtypes:
+        if jnp.dtype(dt) not in OUT_DTYPES:
+            raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {dt}")
 
 
 def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
@@ -422,19 +423,21 @@ def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
       ``[B, H, Tp, 64]`` (row ``t`` holds chunk-local row ``t mod 64``). Differentiable in ``a, b,
       g_cum`` (backward: a Mosaic GPU kernel); cotangents come back in the inputs' dtypes.
     """
-    _check("scores", b, g_cum, (a,), out_dtype)
-    (s,) = _scores((a,), b, g_cum, (0,), jnp.dtype(out_dtype), interpret)
+    _check("scores", b, g_cum, (a,), (out_dtype,))
+    (s,) = _scores((a,), b, g_cum, (0,), (jnp.dtype(out_dtype),), interpret)
     return s
 
 
 def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
     """``(scores(q, k, g_cum), scores(k, k, g_cum))`` in one kernel call (shared decays and loads).
 
-    ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`; the
-    second result includes the diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
+    ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`, except
+    that ``out_dtype`` may be a pair: ``Aqk``'s dtype and ``Akk``'s. The second result includes the
+    diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
     """
-    _check("qk_kk_scores", k, g_cum, (q,), out_dtype)
-    return _scores((q,), k, g_cum, (0, -1), jnp.dtype(out_dtype), interpret)
+    pair = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype, out_dtype)
+    _check("qk_kk_scores", k, g_cum, (q,), pair)
+    return _scores((q,), k, g_cum, (0, -1), tuple(map(jnp.dtype, pair)), interpret)
 
 
 def scores_reference(a, b, g_cum):

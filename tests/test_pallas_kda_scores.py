@@ -105,8 +105,11 @@ def test_prepare_mosaic_scores_match_xla():
         assert rel_rms(r, x) <= BF16_OUT_TOL, (name, rel_rms(r, x))
     # A random cotangent per element (a constant one would only check the gradient of sums).
     keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
-    cts = type(ref)(*(jax.random.normal(key, r.shape) / np.sqrt(r.size) for key, r in zip(keys, ref)))
-    _check_grads(ref_vjp(cts), ker_vjp(cts), ("q", "k", "g"))
+    # Each in the dtype of the kernel path's output (Aqk is bf16 there), the same values for both.
+    cts = type(ref)(*((jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(x.dtype)
+                      for key, r, x in zip(keys, ref, out)))
+    _check_grads(ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref)))), ker_vjp(cts),
+                 ("q", "k", "g"))
 
 
 @pytest.mark.parametrize("dk", [64, 128])
@@ -116,10 +119,10 @@ def test_kernels_lower_for_cuda(dk):
     bf, f32 = (jax.ShapeDtypeStruct((1, 2, 2 * C, dk), d) for d in (jnp.bfloat16, jnp.float32))
     ds = jax.ShapeDtypeStruct((1, 2, 2 * C, C), jnp.float32)
     flags = jax.ShapeDtypeStruct((1, 2, 2), jnp.int32)
-    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtype", "interpret"))
+    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtypes", "interpret"))
     bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "interpret"))
     for which in ((0, -1), (0,)):
-        fwd.trace((bf,), bf, f32, flags, which=which, out_dtype=jnp.dtype(jnp.float32),
+        fwd.trace((bf,), bf, f32, flags, which=which, out_dtypes=(jnp.dtype(jnp.float32),) * len(which),
                   interpret=False).lower(lowering_platforms=("cuda",))
         bwd.trace((bf,), bf, f32, (ds,) * len(which), flags, which=which,
                   interpret=False).lower(lowering_platforms=("cuda",))
