@@ -10,6 +10,7 @@
 # machines have no network: carry it). Peers' wheels for the KDA benchmark (fla-core,
 # flash-linear-attention, jax-linear-attention) are installed from $WHEELS (default ./.whl).
 # Each mode is one device call: its boxes add up to under 10 minutes, the device tool's limit.
+# Everything lands in one archive, $OUT/logs.tgz.
 # To run a commit rather than the working tree, run it in a snapshot that names its commit:
 #   git archive HEAD | tar -x -C SNAP && git rev-parse HEAD > SNAP/COMMIT
 set -u
@@ -88,3 +89,5 @@ kda_full)
 *)
   echo "usage: gpu_session.sh kda | kda_full | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
+# One archive: the device tool brings back only a few files per call.
+tar -czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz"
