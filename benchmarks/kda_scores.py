@@ -10,8 +10,9 @@ kernel alone at one shape, jitted, median of 5 x 10 calls, for:
   approximate math (``ex2.approx``, which the kernels use), and ``exact_levels``: every chunk
   flagged unbounded, so the six exact levels run (what a steep softplus gate costs);
 - ablations, **timing only, wrong results**: each swaps one helper of the kernel module while it is
-  traced, to show what that part costs: ``no_anchors`` (anchors = the row itself, no ``P_s G``
-  WGMMAs), ``no_exp`` (the exact levels' decay without its exponential).
+  traced, to show what that part costs: ``no_exp`` (every level's factors without their
+  exponentials), ``no_anchors`` (the exact levels' ``P_s G`` WGMMAs left out; with ``exact_levels``'
+  flags, as only those levels have them).
 
 One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms", "shape"}`` (or an
 ``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
@@ -40,6 +41,10 @@ def _no_anchors(p_ref, parts):
     return jnp.zeros((kda_scores.CHUNK, kda_scores.KT), F32)
 
 
+def _no_bounded_chunks(g):
+    return jnp.zeros(g.shape[:2] + (g.shape[2] // kda_scores.CHUNK,), jnp.int32)
+
+
 _KERNEL = kda_scores.kernel  # the launcher itself: ``exact_exp`` swaps the module's name for it
 
 
@@ -50,9 +55,9 @@ def _exact_kernel(*args, approx_math, **kwargs):
 ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
     "kernels": {},
     "exact_exp": {"kernel": _exact_kernel},
-    "exact_levels": {"bounded_chunks": lambda g: jnp.zeros(g.shape[:2] + (g.shape[2] // 64,), jnp.int32)},
-    "no_anchors": {"_anchors": _no_anchors},
-    "no_exp": {"_decay": lambda g, anchor: g - anchor},
+    "exact_levels": {"bounded_chunks": _no_bounded_chunks},
+    "no_anchors": {"_anchors": _no_anchors, "bounded_chunks": _no_bounded_chunks},
+    "no_exp": {"_decays": lambda g, anchor, bounded: (g - anchor, g - anchor)},
 }
 
 

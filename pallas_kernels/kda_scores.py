@@ -34,11 +34,13 @@ may, and are dropped). Two WGMMA levels instead of six. The flag is per (batch, 
 while its neighbours take the fast path; the same decomposition is FlashKDA's and
 jax-linear-attention's bounded path (written here from the algebra).
 
-Anchors: each level needs ``G[p(x)]`` for every row; they are formed as ``P_s G`` on the tensor
-cores, with a 0/1 matrix ``P_s`` and ``G`` split into three bf16 parts (one nonzero product per
-entry, so exact to fp32 rounding). Every level then runs the same code, so the levels are one loop.
-(A chain of selects over the level's blocks, the first design, needed the levels unrolled: kernels
-3.7x larger and, on the H200, 1.6x slower forward and 2.2x slower backward; docs/benchmarks.md.)
+Anchors: each level needs ``G[p(x)]`` for every row. The top level (one anchor row, 32) and the
+bounded level (rows 16 and 48) broadcast their anchor rows. The exact levels below the top form
+them as ``P_s G`` on the tensor cores, with a 0/1 matrix ``P_s`` and ``G`` split into three bf16
+parts (one nonzero product per entry, so exact to fp32 rounding): every such level runs the same
+code, so they are one loop. (A chain of selects over the level's blocks, the first design, needed
+the levels unrolled: kernels 3.7x larger and, on the H200, 1.6x slower forward and 2.2x slower
+backward; docs/benchmarks.md.)
 
 Exponentials use Mosaic's approximate math (``ex2.approx``, ~2 ulp in fp32, far inside the bf16
 operands' rounding): on the H200 4-7% faster per kernel.
@@ -60,6 +62,7 @@ from jax import lax
 
 from pallas_kernels._mgpu import (
     BF16,
+    COL,
     F32,
     WG,
     finish_together,
@@ -106,10 +109,28 @@ def _anchors(p_ref, parts):
     return matmul((CHUNK, KT), *[(p_ref, part) for part in parts])
 
 
-def _decay(g, anchor):
-    """``[C, KT]`` fp32 ``E[x] = exp(-|G_x - G_p(x)|)`` from ``G`` and the anchors' rows."""
+def _fixed_anchors(lg: int, g_ref):
+    """``[C, KT]`` fp32 anchors of a level whose ``lg`` is static (the top level, the bounded level):
+    row ``x`` holds ``G[p(x)]``, a broadcast of one of the ``C / 2^(lg + 1)`` anchor rows of the plain
+    SMEM tile ``g_ref`` (no tensor-core work)."""
+    span = 2 << lg
+    rows = iota((CHUNK, KT), 0)
+    anchor = None
+    for start in range(0, CHUNK, span):
+        row = lax.broadcast_in_dim(load(g_ref.at[start + span // 2], COL), (CHUNK, KT), (1,))
+        anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
+    return anchor
+
+
+def _decays(g, anchor, bounded: bool):
+    """A level's ``(row factor, column factor)``, ``[C, KT]`` fp32, from ``G`` and its anchors' rows:
+    exact level ``E = exp(-|G_x - G_p(x)|)`` for both; bounded level ``exp(G_x - G_p(x))`` and its
+    inverse (module docstring)."""
     d = g - anchor
-    return jnp.exp(jnp.minimum(d, -d))
+    if bounded:
+        return jnp.exp(d), jnp.exp(-d)
+    e = jnp.exp(jnp.minimum(d, -d))
+    return e, e
 
 
 def _pairs(lg, bounded: bool):
@@ -121,18 +142,20 @@ def _pairs(lg, bounded: bool):
     return ((rows >> (lg + 1)) == (cols >> (lg + 1))) & (rows > cols)
 
 
-def _level_decay(lg, g, p_s, parts, bounded: bool = False):
-    """Level ``2^lg``'s ``(row factor, column factor)`` for one channel tile: ``G`` (registers) and
-    its bf16 ``parts`` (SMEM); ``p_s`` is SMEM for ``P_s``. Exact level: both ``E``; bounded level:
-    ``exp(G_x - G_p(x))`` and its inverse (module docstring)."""
-    p_s[...] = _anchor_matrix(lg)
-    plgpu.commit_smem()
-    anchor = _anchors(p_s, parts)
-    if bounded:
-        d = g - anchor
-        return jnp.exp(d), jnp.exp(-d)
-    e = _decay(g, anchor)
-    return e, e
+TOP, BOUNDED, EXACT = "top", "bounded", "exact"  # the kinds of level (see _by_chunk_kind)
+
+
+def _level_decays(kind: str, lg, g_ref, p_s, parts):
+    """``_decays`` of level ``2^lg`` for one channel tile ``g_ref`` (plain SMEM ``[C, KT]``). The top
+    and bounded levels read their anchors as broadcast rows; the exact levels below the top (``lg``
+    traced) form them as ``P_s G`` from ``G``'s bf16 ``parts`` (``p_s``: SMEM for ``P_s``)."""
+    if kind == EXACT:
+        p_s[...] = _anchor_matrix(lg)
+        plgpu.commit_smem()
+        anchor = _anchors(p_s, parts)
+    else:
+        anchor = _fixed_anchors(lg, g_ref)
+    return _decays(load(g_ref), anchor, kind == BOUNDED)
 
 
 def _channels(dk: int):
@@ -140,25 +163,26 @@ def _channels(dk: int):
 
 
 def _exact_levels_below_top(level, carry):
-    """``carry = level(lg, carry)`` for every exact level but the coarsest (``lg`` traced)."""
+    """``carry = level(lg, carry, EXACT)`` for every level but the top (``lg`` traced)."""
     top = LOG_LEVELS[0]
-    return lax.fori_loop(1, len(LOG_LEVELS), lambda i, c: level(top - i, c), carry)
+    return lax.fori_loop(1, len(LOG_LEVELS), lambda i, c: level(top - i, c, EXACT), carry)
 
 
-def _by_chunk_kind(flags_ref, level, carry, finish):
-    """The coarsest level (exact either way), then ``finish`` on the result of the bounded level
-    where this chunk's flag is set, else of the exact levels below it (``level(lg, carry, bounded)``).
-    """
-    carry = level(LOG_LEVELS[0], carry, False)
+def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
+    """The top level (32-row blocks, exact either way), then ``finish`` on the result of the bounded
+    level where this chunk's flag is set, else of the exact levels below the top, after ``split_g``
+    has written ``G``'s bf16 parts for their anchors (``level(lg, carry, kind)``)."""
+    carry = level(LOG_LEVELS[0], carry, TOP)
     bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")] != 0
 
     @pl.when(bounded)
     def _():
-        finish(level(BOUNDED_LG, carry, True))
+        finish(level(BOUNDED_LG, carry, BOUNDED))
 
     @pl.when(jnp.logical_not(bounded))
     def _():
-        finish(_exact_levels_below_top(lambda lg, c: level(lg, c, False), carry))
+        split_g()
+        finish(_exact_levels_below_top(level, carry))
 
 
 def bounded_chunks(g_cum):
@@ -209,14 +233,16 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
                       for ch in chs)
             scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
         p_s, g_parts = refs[0], refs[1:]
-        br_s = g_parts[-1]  # b times the row factor: the bounded level is the last to read G's parts
-        for t, ch in enumerate(chs):
-            store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
+        br_s = g_parts[-1]  # b times the row factor: the bounded path never splits G
 
-        def level(lg, scores, bounded):  # the pairs of one anchored level
+        def split_g():
             for t, ch in enumerate(chs):
-                er, ec = _level_decay(lg, load(g_s.at[:, ch]), p_s, [part.at[t] for part in g_parts],
-                                      bounded)
+                store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
+
+        def level(lg, scores, kind):  # the pairs of one anchored level
+            bounded = kind == BOUNDED
+            for t, ch in enumerate(chs):
+                er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s, [part.at[t] for part in g_parts])
                 bvals = load(b_s.at[:, ch]).astype(F32)
                 bp_s.at[t][...] = (bvals * ec).astype(BF16)
                 if bounded and -1 in which:  # b as the row operand needs the row factor
@@ -235,7 +261,7 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
             for out, sc, dt in zip(outs, scores, out_dtypes):
                 out.at[bi, hi, tok][...] = sc.astype(dt)
 
-        _by_chunk_kind(flags_ref, level, tuple(scores), store)
+        _by_chunk_kind(flags_ref, level, tuple(scores), store, split_g)
 
     scratch = (
         *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
@@ -292,14 +318,13 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
         a_s, b_s, g_s = [x.at[wg] for x in a_all], b_all.at[wg], g_all.at[wg]
         bp_s, ap_s, dsl_s = bp_all.at[wg], [x.at[wg] for x in ap_all], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
-        br_s = g_parts[-1]  # b times the row factor: the bounded level is the last to read G's parts
+        br_s = g_parts[-1]  # b times the row factor: the bounded path never splits G
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
-        g_ch = load(g_s)
-        store_split(g_ch, g_parts)
 
-        def level(lg, carry, bounded):  # (da per output: row side, db: column side)
+        def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
-            er, ec = _level_decay(lg, g_ch, p_s, g_parts, bounded)
+            bounded = kind == BOUNDED
+            er, ec = _level_decays(kind, lg, g_s, p_s, g_parts)
             bvals = load(b_s).astype(F32)
             bp_s[...] = (bvals * ec).astype(BF16)
             if bounded and -1 in which:  # b as the row operand needs the row factor
@@ -341,7 +366,8 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
             db_ref.at[bi, hi, tok, ch][...] = db
             finish_together(done)
 
-        _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish)
+        _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish,
+                       lambda: store_split(load(g_s), g_parts))
 
     per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (

@@ -27,7 +27,9 @@ def _gate(f, gate):
 
 def _inputs(seed, b, h, tp, dk, gate):
     """bf16-grid ``a, b`` (unit rows, like KDA's normalised q, k), chunk-local cumulative gates.
-    ``gate="mixed"``: the lower-bound gate except head 0's second chunk (softplus)."""
+    ``gate="mixed"``: the lower-bound gate, except head 0's second chunk (softplus) and head 1's
+    second chunk (-4.9 at every token: 78 nats from a 32-row block's middle row to its first, at
+    the edge of the bounded path, where a factor anchored anywhere else would overflow)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     a = bf16_rounded(unit(jax.random.normal(ks[0], (b, h, tp, dk))))
@@ -35,6 +37,7 @@ def _inputs(seed, b, h, tp, dk, gate):
     f = jax.random.normal(ks[2], (b, h, tp, dk))
     if gate == "mixed":
         g = _gate(f, "lower_bound").at[:, 0, C:2 * C].set(_gate(f[:, 0, C:2 * C], "softplus"))
+        g = g.at[:, 1, C:2 * C].set(-4.9)
     else:
         g = _gate(f, gate)
     g_cum = jnp.cumsum(g.reshape(b, h, tp // C, C, dk), axis=-2).reshape(b, h, tp, dk)
