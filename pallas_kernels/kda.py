@@ -3,10 +3,11 @@
 ``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
 chunked form of SPEC 3.3, in three parts:
 
-1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): padding, segment masks, the
-   gates' chunk-local cumsum, ``Qg, Kg`` under XLA; the intra-chunk score matrices
-   (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U`` (:mod:`pallas_kernels.kda_solve`)
-   as Mosaic GPU kernels with their own VJPs (``scores="xla"``, ``solve="xla"`` compute them in XLA).
+1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): padding, segment masks,
+   ``Qg, Kg`` under XLA; the gates' chunk cumsum (:mod:`pallas_kernels.kda_cumsum`), the intra-chunk
+   score matrices (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U``
+   (:mod:`pallas_kernels.kda_solve`) as Mosaic GPU kernels with their own VJPs (``scores="xla"``,
+   ``solve="xla"`` compute them in XLA).
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.

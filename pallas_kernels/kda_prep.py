@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kda_cumsum import chunk_cumsum
 from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
 from pallas_kernels.kda_scores import qk_kk_scores
 from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
@@ -133,7 +134,9 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
 
     ``scores`` picks how ``Aqk`` and ``Akk`` are built: ``"xla"`` (default, :func:`_tree_scores`) or
     ``"mosaic"`` (:func:`pallas_kernels.kda_scores.qk_kk_scores`, a Mosaic GPU kernel pair with bf16
-    tensor-core operands; chunk 64, K in {64, 128}; ``interpret`` runs it in the CPU interpreter).
+    tensor-core operands, and the gates' chunk cumsum by
+    :func:`pallas_kernels.kda_cumsum.chunk_cumsum`; chunk 64, K in {64, 128}; ``interpret`` runs
+    them in the CPU interpreter).
     ``solve`` picks how ``T = (I + L)^-1`` and ``W``, ``U`` are formed: ``"xla"`` (default, a batched
     triangular solve and fp32 matmuls) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one
     kernel per direction; chunk 64).
@@ -154,12 +157,15 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     def chunks(x):  # [B, Tp, H, D] -> [B, H, NC, C, D]
         return jnp.moveaxis(x.reshape(b, nc, c, h, -1), 3, 1)
 
-    qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
     bc = chunks(beta[..., None])  # [B, H, NC, C, 1]
-    # The chunk-local cumsum as a product with a lower-triangular ones matrix (fp32): XLA lowers
-    # jnp.cumsum to an associative scan, 1.11 ms forward + backward at (8, 4096, 16, 128) on the
-    # H200 against 0.82 ms for the product (relative difference 5e-7).
-    g_cum = jnp.einsum("rc,...ck->...rk", jnp.tril(jnp.ones((c, c), f32)), gc, precision=_HI)
+    if scores == "mosaic":  # the Mosaic cumsum reads g in its layout and writes G head-major
+        g_cum = chunk_cumsum(g, interpret=interpret).reshape(b, h, nc, c, dk)
+    else:
+        # A product with a lower-triangular ones matrix (fp32): XLA lowers jnp.cumsum to an
+        # associative scan, 1.11 ms forward + backward at (8, 4096, 16, 128) on the H200 against
+        # 0.82 ms for the product (relative difference 5e-7).
+        g_cum = jnp.einsum("rc,...ck->...rk", jnp.tril(jnp.ones((c, c), f32)), chunks(g), precision=_HI)
     g_last = g_cum[..., -1:, :]  # [B, H, NC, 1, K]
 
     if scores == "mosaic":
