@@ -131,25 +131,24 @@ def _fwd_call(lower, x, y, *, interpret):
     nb, h, tp, _ = lower.shape
     dk, dv = x.shape[-1], y.shape[-1]
 
-    def body(l_ref, x_ref, y_ref, t_ref, w_ref, u_ref, l_s, x_s, y_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo,
-             bar):
+    def body(l_ref, x_ref, y_ref, t_ref, w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, bar):
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
-        for src, dst in ((l_ref, l_s), (x_ref, x_s), (y_ref, y_s)):
-            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+        plgpu.copy_gmem_to_smem(l_ref.at[bi, hi, tok], l_s, bar)
         plgpu.barrier_wait(bar)
         t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
         t_ref.at[bi, hi, tok][...] = t
         store_split(t, (t_hi, t_lo))
-        for z_s, out_ref, n in ((x_s, w_ref, dk), (y_s, u_ref, dv)):
+        for z_ref, out_ref, n in ((x_ref, w_ref, dk), (y_ref, u_ref, dv)):
             for cols in _column_tiles(n):
-                store_split(load(z_s.at[:, cols]), (z_hi, z_lo))
+                store_split(load(z_ref.at[bi, hi, tok, cols]), (z_hi, z_lo))
                 plgpu.commit_smem()
                 out_ref.at[bi, hi, tok, cols][...] = _product((t_hi, t_lo), (z_hi, z_lo))
 
-    scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, dk), F32), plgpu.SMEM((CHUNK, dv), F32),
-               plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-               *(tiles(FULL) for _ in range(4)), plgpu.Barrier(num_arrivals=3))
+    # X and Y go from GMEM to registers, each read once: the kernel is latency-bound, and without
+    # their 64 KB of SMEM (K = V = 128) three CTAs fit on an SM instead of one.
+    scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
+               *(tiles(FULL) for _ in range(4)), plgpu.Barrier(num_arrivals=1))
     out_type = tuple(jax.ShapeDtypeStruct(a.shape, F32) for a in (lower, x, y))
     run = kernel(body, "kda_wy_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
@@ -162,18 +161,15 @@ def _bwd_call(t, x, y, dw, du, *, interpret):
     dk, dv = x.shape[-1], y.shape[-1]
 
     def body(t_ref, x_ref, y_ref, dw_ref, du_ref, dl_ref, dx_ref, dy_ref,
-             t_s, x_s, y_s, dw_s, du_s, t_hi, t_lo, a_hi, a_lo, b_hi, b_lo, bar):
+             t_hi, t_lo, a_hi, a_lo, b_hi, b_lo):
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
-        for src, dst in ((t_ref, t_s), (x_ref, x_s), (y_ref, y_s), (dw_ref, dw_s), (du_ref, du_s)):
-            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
-        plgpu.barrier_wait(bar)
-        store_split(load(t_s), (t_hi, t_lo))
+        store_split(load(t_ref.at[bi, hi, tok]), (t_hi, t_lo))
         dt = None
-        for z_s, dz_s, dz_ref, n in ((x_s, dw_s, dx_ref, dk), (y_s, du_s, dy_ref, dv)):
+        for z_ref, dz_ref_in, dz_ref, n in ((x_ref, dw_ref, dx_ref, dk), (y_ref, du_ref, dy_ref, dv)):
             for cols in _column_tiles(n):
-                store_split(load(dz_s.at[:, cols]), (a_hi, a_lo))
-                store_split(load(z_s.at[:, cols]), (b_hi, b_lo))
+                store_split(load(dz_ref_in.at[bi, hi, tok, cols]), (a_hi, a_lo))
+                store_split(load(z_ref.at[bi, hi, tok, cols]), (b_hi, b_lo))
                 plgpu.commit_smem()
                 part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))        # dW X^T, one tile of K
                 dt = part if dt is None else dt + part
@@ -187,9 +183,9 @@ def _bwd_call(t, x, y, dw, du, *, interpret):
         strict = iota(FULL, 0) > iota(FULL, 1)
         dl_ref.at[bi, hi, tok][...] = jnp.where(strict, -dm, 0.0)
 
-    scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, dk), F32), plgpu.SMEM((CHUNK, dv), F32),
-               plgpu.SMEM((CHUNK, dk), F32), plgpu.SMEM((CHUNK, dv), F32),
-               *(tiles(FULL) for _ in range(6)), plgpu.Barrier(num_arrivals=5))
+    # Every input goes from GMEM to registers (each is read once): without staging them in SMEM
+    # (192 KB at K = V = 128) several CTAs share an SM and hide each other's latency.
+    scratch = tuple(tiles(FULL) for _ in range(6))
     out_type = tuple(jax.ShapeDtypeStruct(a.shape, F32) for a in (t, x, y))
     run = kernel(body, "kda_wy_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)

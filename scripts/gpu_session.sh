@@ -2,7 +2,8 @@
 # What one lent GPU session runs, in the order that matters, each part time-boxed, logs under $OUT.
 #
 #   bash scripts/gpu_session.sh kda              # any kind, GPU 0: scores kernels' tests, parts, peers
-#   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, all shapes vs peers
+#   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, parts, profile
+#   bash scripts/gpu_session.sh kda_peers        # any kind, GPU 0: all four shapes, ours vs jla, fla
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
@@ -43,16 +44,21 @@ kda() {  # one GPU: the default path's GPU tests, ours against the XLA solve and
   grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
-kda_full() {  # one GPU: every KDA GPU test, the scores kernels alone, all four shapes, fla last
-  part kda_gpu_tests 180 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+kda_full() {  # one GPU: every KDA GPU test, the scores kernels alone, a profile of ours
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
   part kda_scores_parts 70 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
-    --variants kernels,exact_exp --out "$OUT/kda_scores.jsonl"
-  part kda_bench 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --variants kernels,exact_exp,exact_levels --out "$OUT/kda_scores.jsonl"
+  part kda_profile 80 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
+    --impls ours_pallas --shapes 8,4096,16,128 --profile /tmp/prof --out "$OUT/kda_profile.jsonl"
+  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
+}
+kda_peers() {  # one GPU: all four shapes, ours and jla in one process, then fla in its own box
+  part kda_bench 250 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla --out "$OUT/kda.jsonl"
-  # fla's Triton autotuning takes minutes on its first shapes: its own box, two shapes.
-  part kda_fla 110 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
-    --shapes 1,8192,16,128 8,4096,16,128 --out "$OUT/kda.jsonl"
+  # fla's Triton autotuning takes minutes on its first shape (it has not finished in 170 s).
+  part kda_fla 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
+    --shapes 1,8192,16,128 --out "$OUT/kda.jsonl"
 }
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
@@ -86,8 +92,10 @@ kda)  # any lent kind, GPU 0
   peers; kda ;;
 kda_full)
   peers; kda_full ;;
+kda_peers)
+  peers; kda_peers ;;
 *)
-  echo "usage: gpu_session.sh kda | kda_full | two | one CORPUS_DIR" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | kda_full | kda_peers | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
 # One archive: the device tool brings back only a few files per call.
 tar -czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz"
