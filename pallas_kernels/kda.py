@@ -10,7 +10,8 @@ chunked form of SPEC 3.3, in three parts:
    ``solve="xla"`` compute them in XLA).
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
-3. :func:`pallas_kernels.kda_state_bwd.state_bwd` (Mosaic GPU kernel): the reverse recurrence.
+3. :func:`pallas_kernels.kda_state_bwd.state_bwd`: the reverse recurrence (Mosaic GPU kernel), then
+   the per-chunk products of the state gradients (batched, bf16 operands, fp32 accumulation).
 
 Parts 2 and 3 are joined by ``jax.custom_vjp``; part 1 is differentiated by JAX's autodiff, so
 every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
@@ -123,7 +124,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(p.qg, p.kg, p.w, p.u, _bf16(p.aqk), p.gamma, h0, chunk_size, interpret)
-    o = o[:, :t]  # bf16 [B, Tp, H, V] from the kernel
+    o = o[:, :t].astype(q.dtype)  # bf16 [B, Tp, H, V] from the kernel
     return o, (final if output_final_state else None)
 
 

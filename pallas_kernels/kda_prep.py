@@ -9,7 +9,8 @@ For each chunk of ``C`` tokens (one head) this forms, from the cumulative log-de
 
 the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`). This part runs
 under XLA and is differentiated by JAX's autodiff, except where ``scores`` / ``solve`` pick the
-Mosaic GPU kernels for the score matrices and for the inverse with ``W``, ``U`` (each with its own VJP).
+Mosaic GPU kernels for the gates' chunk cumsum and the score matrices, and for the inverse with
+``W``, ``U`` (each with its own VJP).
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow. Scores are built on a binary tree of row blocks:

@@ -25,7 +25,7 @@ Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
 
 Bounded chunks (the fast path): when no row of a 32-row block is more than ``BOUND`` nats of decay
-from the block's middle row ``m`` (its 16th; every chunk of K3's lower-bound gate, whose 16-token
+from the block's middle row ``m`` (row 16, counting from 0; every chunk of K3's lower-bound gate, whose 16-token
 spans stay under ``16 * 5 = 80`` nats), the levels below 32 are replaced by one level that factors
 every pair of a 32-row block through ``m``: rows take ``exp(G_r - G_m)``, columns ``exp(G_m - G_j)``,
 each at most ``exp(BOUND)``, so nothing overflows fp32 or bf16 (products of the pairs the mask drops
@@ -80,7 +80,7 @@ KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
-BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their 16th row
+BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their row 16
 BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
 SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits)
 
@@ -187,7 +187,7 @@ def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
 
 def bounded_chunks(g_cum):
     """``[B, H, NC]`` int32: 1 where every row of each 32-row block of the chunk lies within
-    :data:`BOUND` nats (every channel) of the block's 16th row, the chunks the fast path may take.
+    :data:`BOUND` nats (every channel) of the block's row 16, the chunks the fast path may take.
 
     g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay. A NaN fails the test (exact path).
     """
