@@ -12,6 +12,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
+KT = 64  # columns of one tile: the bf16 width of the 128-byte swizzle (see ``tiles``)
+SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits; store_split)
 
 
 def tiles(shape: tuple[int, ...]) -> plgpu.SMEM:
@@ -21,6 +23,11 @@ def tiles(shape: tuple[int, ...]) -> plgpu.SMEM:
     tiling serves all of them (WGMMA needs lhs and rhs swizzles to match).
     """
     return plgpu.SMEM(shape, BF16, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def column_tiles(n: int) -> list:
+    """Slices of ``n`` columns (a multiple of :data:`KT`) into tiles of :data:`KT`."""
+    return [pl.ds(i * KT, KT) for i in range(n // KT)]
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:

@@ -22,12 +22,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, iota, kernel, load, matmul, shared_lowering, store_split, tiles
+from pallas_kernels._mgpu import (BF16, F32, KT, SPLITS, column_tiles, iota, kernel, load, matmul,
+                                  shared_lowering, store_split, tiles)
 
 CHUNK = 64
-KT = 64  # channel tile (a WGMMA operand's swizzle width)
 HEAD_DIMS = (64, 128)
-SPLITS = 3  # bf16 parts that hold an fp32 value exactly
 
 
 def _triangular_call(x, *, upper: bool, interpret: bool):
@@ -49,7 +48,7 @@ def _triangular_call(x, *, upper: bool, interpret: bool):
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
         tri_s[...] = jnp.where(rows <= cols if upper else rows >= cols, 1.0, 0.0).astype(BF16)
         plgpu.barrier_wait(bar)
-        channels = [pl.ds(t * KT, KT) for t in range(nh)]
+        channels = column_tiles(dk)
         for t, ch in enumerate(channels):
             store_split(load(x_s.at[:, ch]), [part.at[t] for part in parts])
         plgpu.commit_smem()

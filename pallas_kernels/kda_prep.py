@@ -177,7 +177,6 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
     else:
         aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)
-    akk = akk * (1.0 - jnp.eye(c, dtype=f32))
     gamma_rows = jnp.exp(g_cum)
     kdecay = jnp.exp(g_last - g_cum)
     gamma = jnp.exp(g_last[..., 0, :])  # [B, H, NC, K]
@@ -188,7 +187,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
         gamma_rows = gamma_rows * enter[..., None]
         kdecay = kdecay * leave[..., None]
         gamma = gamma * enter[..., -1:]
-    lower = akk * bc  # L[r, j] = beta_r * akk[r, j]
+    lower = akk * bc  # L[r, j] = beta_r * akk[r, j]; both WY paths read only r > j
 
     def flat(x):  # [B, H, NC, C, D] -> [B, H, Tp, D]
         return x.reshape(b, h, nc * c, x.shape[-1])

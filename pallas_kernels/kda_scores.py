@@ -64,7 +64,10 @@ from pallas_kernels._mgpu import (
     BF16,
     COL,
     F32,
+    KT,
+    SPLITS,
     WG,
+    column_tiles,
     finish_together,
     iota,
     kernel,
@@ -76,13 +79,11 @@ from pallas_kernels._mgpu import (
 )
 
 CHUNK = 64
-KT = 64  # key-channel tile
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
 BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their row 16
 BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
-SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits)
 
 
 # --------------------------------------------------------------------------- in-kernel helpers
@@ -158,8 +159,22 @@ def _level_decays(kind: str, lg, g_ref, p_s, parts):
     return _decays(load(g_ref), anchor, kind == BOUNDED)
 
 
-def _channels(dk: int):
-    return [pl.ds(h * KT, KT) for h in range(dk // KT)]
+def _scaled_operands(kind: str, which, er, ec, a_refs, b_ref, bp_ref, br_ref, ap_refs):
+    """Write one channel tile's WGMMA operands of a level and return each output's row operand.
+
+    ``b E_col`` goes to ``bp_ref`` (every output's column operand) and ``a_i E_row`` to ``ap_refs``;
+    ``b`` as a row operand (``which == -1``) is ``bp_ref`` itself where both factors are ``E``, else
+    ``b E_row`` in ``br_ref`` (bounded level). ``a_refs``, ``b_ref``: the tile's plain SMEM inputs.
+    """
+    bounded = kind == BOUNDED
+    bvals = load(b_ref).astype(F32)
+    bp_ref[...] = (bvals * ec).astype(BF16)
+    if bounded and -1 in which:
+        br_ref[...] = (bvals * er).astype(BF16)
+    for a_ref, ap_ref in zip(a_refs, ap_refs):
+        ap_ref[...] = (load(a_ref).astype(F32) * er).astype(BF16)
+    b_row = br_ref if bounded else bp_ref
+    return [b_row if w < 0 else ap_refs[w] for w in which]
 
 
 def _exact_levels_below_top(level, carry):
@@ -210,7 +225,7 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
     warpgroup per output, 2.52 ms: the duplicated decay work costs more than the second warpgroup
     hides.)"""
     nb, h, tp, dk = b.shape
-    nl, nh, chs = len(lhs), dk // KT, _channels(dk)
+    nl, nh, chs = len(lhs), dk // KT, column_tiles(dk)
     out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), dt) for dt in out_dtypes)
 
     def body(*refs):
@@ -240,22 +255,17 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
                 store_split(load(g_s.at[:, ch]), [part.at[t] for part in g_parts])
 
         def level(lg, scores, kind):  # the pairs of one anchored level
-            bounded = kind == BOUNDED
+            row_operands = []  # [tile][output]
             for t, ch in enumerate(chs):
                 er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s, [part.at[t] for part in g_parts])
-                bvals = load(b_s.at[:, ch]).astype(F32)
-                bp_s.at[t][...] = (bvals * ec).astype(BF16)
-                if bounded and -1 in which:  # b as the row operand needs the row factor
-                    br_s.at[t][...] = (bvals * er).astype(BF16)
-                for i in range(nl):
-                    ap_s[i].at[t][...] = (load(a_s[i].at[:, ch]).astype(F32) * er).astype(BF16)
+                row_operands.append(_scaled_operands(kind, which, er, ec, [a.at[:, ch] for a in a_s],
+                                                     b_s.at[:, ch], bp_s.at[t], br_s.at[t],
+                                                     [x.at[t] for x in ap_s]))
             plgpu.commit_smem()
-            keep = _pairs(lg, bounded)
-            b_row = br_s if bounded else bp_s
-            lhs_p = [b_row if w < 0 else ap_s[w] for w in which]
-            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(x_p.at[t], bp_s.at[t].T)
+            keep = _pairs(lg, kind == BOUNDED)
+            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(row_operands[t][o], bp_s.at[t].T)
                                                                        for t in range(nh)]), 0.0)
-                         for sc, x_p in zip(scores, lhs_p))
+                         for o, sc in enumerate(scores))
 
         def store(scores):
             for out, sc, dt in zip(outs, scores, out_dtypes):
@@ -307,7 +317,7 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
 
         @pl.when(wg == 0)
         def _():
-            for t, ch in enumerate(_channels(dk)):  # each channel tile to its own buffer
+            for t, ch in enumerate(column_tiles(dk)):  # each channel tile to its own buffer
                 for src, dst in zip((*a_refs, b_ref, g_ref), (*a_all, b_all, g_all)):
                     plgpu.copy_gmem_to_smem(src.at[bi, hi, tok, ch], dst.at[t], bar)
             for src, dst in zip(ds_refs, ds_s):
@@ -323,20 +333,12 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
 
         def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
-            bounded = kind == BOUNDED
             er, ec = _level_decays(kind, lg, g_s, p_s, g_parts)
-            bvals = load(b_s).astype(F32)
-            bp_s[...] = (bvals * ec).astype(BF16)
-            if bounded and -1 in which:  # b as the row operand needs the row factor
-                br_s[...] = (bvals * er).astype(BF16)
-            for i in range(nl):
-                ap_s[i][...] = (load(a_s[i]).astype(F32) * er).astype(BF16)
-            keep = _pairs(lg, bounded)
+            lhs_p = _scaled_operands(kind, which, er, ec, a_s, b_s, bp_s, br_s, ap_s)
+            keep = _pairs(lg, kind == BOUNDED)
             for o in range(no):
                 dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
             plgpu.commit_smem()
-            b_row = br_s if bounded else bp_s
-            lhs_p = [b_row if w < 0 else ap_s[w] for w in which]
             da = tuple(d + er * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
             db = db + ec * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
             return da, db

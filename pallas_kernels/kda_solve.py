@@ -36,8 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import (COL, F32, iota, kernel, load, matmul, shared_lowering, store_split,
-                                  tiles)
+from pallas_kernels._mgpu import (COL, F32, column_tiles, iota, kernel, load, matmul, shared_lowering,
+                                  store_split, tiles)
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
@@ -122,10 +122,6 @@ def _chunk_inverse(l_s, s_s, d_s, split_s):
     return d
 
 
-def _column_tiles(n: int):
-    return [pl.ds(i * CHUNK, CHUNK) for i in range(n // CHUNK)]
-
-
 def _fwd_call(lower, x, y, *, interpret):
     """Raw forward kernel: ``(T, W, U)``, fp32, shapes of ``lower``, ``x``, ``y``."""
     nb, h, tp, _ = lower.shape
@@ -140,13 +136,13 @@ def _fwd_call(lower, x, y, *, interpret):
         t_ref.at[bi, hi, tok][...] = t
         store_split(t, (t_hi, t_lo))
         for z_ref, out_ref, n in ((x_ref, w_ref, dk), (y_ref, u_ref, dv)):
-            for cols in _column_tiles(n):
+            for cols in column_tiles(n):
                 store_split(load(z_ref.at[bi, hi, tok, cols]), (z_hi, z_lo))
                 plgpu.commit_smem()
                 out_ref.at[bi, hi, tok, cols][...] = _product((t_hi, t_lo), (z_hi, z_lo))
 
     # X and Y go from GMEM to registers, each read once: the kernel is latency-bound, and without
-    # their 64 KB of SMEM (K = V = 128) three CTAs fit on an SM instead of one.
+    # their 64 KB of SMEM (K = V = 128) its SMEM no longer limits an SM to one CTA.
     scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
                *(tiles(FULL) for _ in range(4)), plgpu.Barrier(num_arrivals=1))
     out_type = tuple(jax.ShapeDtypeStruct(a.shape, F32) for a in (lower, x, y))
@@ -167,7 +163,7 @@ def _bwd_call(t, x, y, dw, du, *, interpret):
         store_split(load(t_ref.at[bi, hi, tok]), (t_hi, t_lo))
         dt = None
         for z_ref, dz_ref_in, dz_ref, n in ((x_ref, dw_ref, dx_ref, dk), (y_ref, du_ref, dy_ref, dv)):
-            for cols in _column_tiles(n):
+            for cols in column_tiles(n):
                 store_split(load(dz_ref_in.at[bi, hi, tok, cols]), (a_hi, a_lo))
                 store_split(load(z_ref.at[bi, hi, tok, cols]), (b_hi, b_lo))
                 plgpu.commit_smem()
