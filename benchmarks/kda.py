@@ -144,13 +144,12 @@ def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
     """A ``jax.profiler`` trace of ``calls`` compiled forward+backward calls of ``op``, and the
     optimized HLO of that call (``out_dir/hlo.txt.gz``)."""
     loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32))  # noqa: E731
-    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
     jax.block_until_ready(fb(*args))
     # The optimized HLO names the trace's fusions: which source op each one comes from.
-    hlo = fb.lower(*args).compile().as_text()
     os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "hlo.txt.gz"), "wt") as f:
-        f.write(hlo)
+        f.write(fb.as_text())
     with jax.profiler.trace(out_dir):
         for _ in range(calls):
             jax.block_until_ready(fb(*args))

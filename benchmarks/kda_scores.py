@@ -1,9 +1,8 @@
 """Where the KDA scores kernels spend their time: the kernel pair alone, and with parts taken out.
 
-The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) are half of ``kda_pallas``'s
-forward + backward on the H200 (docs/benchmarks.md, fifth session), far more than their loads,
-stores and WGMMAs account for. This times the forward kernel (``Aqk`` and ``Akk``) and the backward
-kernel alone at one shape, jitted, median of 5 x 10 calls, for:
+The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) take more time on the H200 than
+their loads, stores and WGMMAs account for (docs/benchmarks.md). This times the forward kernel
+(``Aqk`` and ``Akk``) and the backward kernel alone at one shape, jitted, median of 5 x 10 calls, for:
 
 - ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes
   every chunk bounded, so the two-level fast path runs), ``exact_exp``: the same without Mosaic's
@@ -18,7 +17,7 @@ One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms",
 ``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
 size of each lowered module (the serialized Mosaic GPU kernel dominates it).
 
-    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants kernels,approx_exp,...]
+    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants kernels,exact_levels,...]
                                                  [--lower-only] [--out FILE]
 """
 

@@ -31,13 +31,16 @@ peers() {  # the KDA benchmark's peers, from wheels carried in $WHEELS (default 
     echo "no wheels folder $wheels: the peers will be missing" > "$OUT/pip.log"
   fi
 }
-kda() {  # one GPU: the default path's GPU tests, ours against the XLA solve and jla, parts, ptxas
+ours_profile() {  # what benchmarks/kda.py --profile /tmp/prof left of ours: top kernels, its HLO
+  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
+  cp /tmp/prof/ours_pallas/hlo.txt.gz "$OUT/ours_pallas_hlo.txt.gz" 2>/dev/null
+}
+kda() {  # one GPU: the default path's GPU tests, ours and jla at one shape with a profile, parts
   part kda_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
   part kda_ours 100 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla --shapes 8,4096,16,128 --profile /tmp/prof --out "$OUT/kda.jsonl"
-  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
-  cp /tmp/prof/ours_pallas/hlo.txt.gz "$OUT/ours_pallas_hlo.txt.gz" 2>/dev/null
+  ours_profile
   # ptxas's register and spill counts of every Mosaic kernel the scores benchmark compiles.
   part kda_scores_parts 100 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
     benchmarks/kda_scores.py --variants kernels,exact_exp,exact_levels --out "$OUT/kda_scores.jsonl"
@@ -51,12 +54,12 @@ kda_full() {  # one GPU: every KDA GPU test, the scores kernels alone, a profile
     --variants kernels,exact_exp,exact_levels --out "$OUT/kda_scores.jsonl"
   part kda_profile 80 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas --shapes 8,4096,16,128 --profile /tmp/prof --out "$OUT/kda_profile.jsonl"
-  python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
+  ours_profile
 }
 kda_peers() {  # one GPU: all four shapes, ours and jla in one process, then fla in its own box
   part kda_bench 250 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla --out "$OUT/kda.jsonl"
-  # fla's Triton autotuning takes minutes on its first shape (it has not finished in 170 s).
+  # fla's Triton autotuning takes minutes on its first shape (110 and 170 s boxes were too short).
   part kda_fla 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
     --shapes 1,8192,16,128 --out "$OUT/kda.jsonl"
 }
