@@ -1,8 +1,11 @@
-"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (SPEC 3.3).
+"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (SPEC 3.3),
+formed from KDA's raw pieces.
 
-Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA), ``L`` is strictly lower triangular
-(``L[r, j] = beta_r Akk[r, j]``), ``X = beta Gamma K`` (``[C, K]``) and ``Y = beta V`` (``[C, V]``),
-all fp32. The forward kernel forms ``T`` in two stages, no powers of ``L``:
+Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA) the kernel reads ``Akk`` (fp32),
+``beta`` (fp32), ``xk = k exp(G)`` (``[C, K]``, head-major) and ``v`` (``[C, V]``, in the caller's
+token-major ``[B, T, H, V]`` layout) and scales them in registers: ``L[r, j] = beta_r Akk[r, j]``
+(``r > j``, strictly lower triangular), ``X = beta xk``, ``Y = beta v``, so XLA never writes these
+products to HBM. It forms ``T`` in two stages, no powers of ``L``:
 
 1. The four 16x16 diagonal blocks are inverted exactly in fp32 by forward elimination, all blocks
    at once (held stacked as one ``[C, 16]`` array): starting from ``S = I``, pivot ``j`` (row ``j``
@@ -12,7 +15,10 @@ all fp32. The forward kernel forms ``T`` in two stages, no powers of ``L``:
 
 then ``W`` and ``U`` in the same CTA, and saves ``T`` for the backward kernel, which forms
 ``dT = dW X^T + dU Y^T``, ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -tril(T^T dT T^T, -1)``
-(``T = M^-1``, ``M = I + L``: ``dM = -T^T dT T^T``; only ``L``'s strictly lower entries are free).
+(``T = M^-1``, ``M = I + L``: ``dM = -T^T dT T^T``; only ``L``'s strictly lower entries are free),
+then through the scaling: ``dAkk = beta dL``, ``dxk = beta dX``, ``dv = beta dY`` (written
+token-major) and
+``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
 Every product runs on the tensor cores with each operand split into a bf16 high and low part
 (three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time.
 
@@ -29,19 +35,23 @@ while ``T`` stays bounded by 1, and inverses built from powers lose every digit 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pallas_kernels._mgpu import (COL, F32, column_tiles, iota, kernel, load, matmul, shared_lowering,
-                                  store_split, tiles)
+from pallas_kernels._mgpu import (BF16, COL, F32, ROW, column_tiles, iota, kernel, load, matmul,
+                                  shared_lowering, store_split, tiles)
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
 FULL = (CHUNK, CHUNK)
+ALL = pl.ds(0, CHUNK)  # every column of an [., C] operand
+OPERAND_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))  # of xk, v and W
 _HI = lax.Precision.HIGHEST
 
 
@@ -55,16 +65,20 @@ def unit_lower_inverse_reference(lower):
     return t.reshape(lower.shape)
 
 
-def wy_reference(lower, x, y):
-    """``(T X, T Y)`` with ``T = (I + L)^-1`` per chunk, fp32 (XLA); shapes as in :func:`wy`."""
-    nb, h, tp, c = lower.shape
-    t = unit_lower_inverse_reference(lower).reshape(nb, h, tp // c, c, c)
+def wy_reference(akk, beta, xk, v):
+    """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta xk``
+    and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major). Returns
+    ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32."""
+    nb, h, tp, c = akk.shape
+    rows = beta.astype(F32)[..., None]
+    strict = jnp.asarray(np.tile(np.tri(c, k=-1, dtype=bool), (tp // c, 1)))
+    t = unit_lower_inverse_reference(jnp.where(strict, akk.astype(F32), 0.0) * rows)
 
-    def apply(z):
-        zc = z.astype(F32).reshape(nb, h, tp // c, c, z.shape[-1])
-        return jnp.matmul(t, zc, precision=_HI).reshape(z.shape)
+    def apply(z):  # [B, H, Tp, D] -> T (beta z), per chunk
+        zc = (rows * z.astype(F32)).reshape(nb, h, tp // c, c, z.shape[-1])
+        return jnp.matmul(t.reshape(nb, h, tp // c, c, c), zc, precision=_HI).reshape(z.shape)
 
-    return apply(x), apply(y)
+    return apply(xk), apply(jnp.swapaxes(v, 1, 2))
 
 
 def _diagonal_blocks_inverse(l_s, s_s):
@@ -122,119 +136,198 @@ def _chunk_inverse(l_s, s_s, d_s, split_s):
     return d
 
 
-def _fwd_call(lower, x, y, *, interpret):
-    """Raw forward kernel: ``(T, W, U)``, fp32, shapes of ``lower``, ``x``, ``y``."""
-    nb, h, tp, _ = lower.shape
-    dk, dv = x.shape[-1], y.shape[-1]
+class _Chunk(NamedTuple):
+    """This CTA's chunk on the grid ``("n", "h", "b")``: batch ``b``, head ``h``, rows ``tok``."""
 
-    def body(l_ref, x_ref, y_ref, t_ref, w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, bar):
-        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
-        tok = pl.ds(ni * CHUNK, CHUNK)
-        plgpu.copy_gmem_to_smem(l_ref.at[bi, hi, tok], l_s, bar)
-        plgpu.barrier_wait(bar)
+    b: jax.Array
+    h: jax.Array
+    tok: pl.Slice
+
+
+def _this_chunk() -> _Chunk:
+    tok = pl.ds(lax.axis_index("n") * CHUNK, CHUNK)
+    return _Chunk(lax.axis_index("b"), lax.axis_index("h"), tok)
+
+
+def _view(ref, at: _Chunk, cols, token_major: bool = False):
+    """The chunk's rows, columns ``cols``, of a head-major ``[B, H, Tp, D]`` or (``token_major``)
+    a token-major ``[B, Tp, H, D]`` GMEM ref: a ``[C, 64]`` view."""
+    return ref.at[at.b, at.tok, at.h, cols] if token_major else ref.at[at.b, at.h, at.tok, cols]
+
+
+def _beta_rows(beta_ref, at: _Chunk):
+    """``[C, C]`` fp32, ``beta_r`` across row ``r``: scales any ``[C, 64]`` tile row-wise."""
+    return lax.broadcast_in_dim(load(beta_ref.at[at.b, at.h, at.tok], ROW), FULL, (0,))
+
+
+def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):
+    """``(z, beta z)`` fp32 ``[C, 64]`` for one tile ``z`` of ``ref`` (any float dtype): the raw
+    operand and the one the products use. Read from GMEM into registers: each is read once."""
+    raw = load(_view(ref, at, cols, token_major)).astype(F32)
+    return raw, raw * beta_rows
+
+
+def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
+    """Raw forward kernel: ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``."""
+    nb, h, tp, _ = akk.shape
+    dk, dv = xk.shape[-1], v.shape[-1]
+
+    def body(akk_ref, beta_ref, xk_ref, v_ref, t_ref, w_ref, u_ref,
+             l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo):
+        at = _this_chunk()
+        beta_rows = _beta_rows(beta_ref, at)
+        l_s[...] = _scaled_tile(akk_ref, at, ALL, beta_rows)[1]  # L above the diagonal: never read
+        plgpu.commit_smem()
         t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
-        t_ref.at[bi, hi, tok][...] = t
+        _view(t_ref, at, ALL)[...] = t
         store_split(t, (t_hi, t_lo))
-        for z_ref, out_ref, n in ((x_ref, w_ref, dk), (y_ref, u_ref, dv)):
+        for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk), (v_ref, True, u_ref, dv)):
             for cols in column_tiles(n):
-                store_split(load(z_ref.at[bi, hi, tok, cols]), (z_hi, z_lo))
+                store_split(_scaled_tile(z_ref, at, cols, beta_rows, token_major)[1], (z_hi, z_lo))
                 plgpu.commit_smem()
-                out_ref.at[bi, hi, tok, cols][...] = _product((t_hi, t_lo), (z_hi, z_lo))
+                out = _product((t_hi, t_lo), (z_hi, z_lo))
+                _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
 
-    # X and Y go from GMEM to registers, each read once: the kernel is latency-bound, and without
+    # xk and v go from GMEM to registers, each read once: the kernel is latency-bound, and without
     # their 64 KB of SMEM (K = V = 128) its SMEM no longer limits an SM to one CTA.
     scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-               *(tiles(FULL) for _ in range(4)), plgpu.Barrier(num_arrivals=1))
-    out_type = tuple(jax.ShapeDtypeStruct(a.shape, F32) for a in (lower, x, y))
+               *(tiles(FULL) for _ in range(4)))
+    sds = jax.ShapeDtypeStruct
+    out_type = (sds(akk.shape, F32), sds(xk.shape, w_dtype), sds((nb, h, tp, dv), F32))
     run = kernel(body, "kda_wy_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(lower, x, y)
+    return run(akk, beta, xk, v)
 
 
-def _bwd_call(t, x, y, dw, du, *, interpret):
-    """Raw backward kernel: ``(dL, dX, dY)``, fp32 (``dL`` zero on and above the diagonal)."""
+def _operand_grads(at, beta_rows, terms, t_parts, scratch):
+    """Over ``terms`` (``(z_ref, token_major, dout_ref, dz_ref, width)``: ``(xk, W)`` and ``(v, U)``),
+    write ``dz = beta T^T dOut`` tile by tile; returns ``dT = sum dOut (beta z)^T`` ``[C, C]`` and
+    ``sum_c (T^T dOut)[r, c] z[r, c]`` (``[C]``, ROW layout: ``dbeta``'s share) fp32."""
+    (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
+    dt = dbeta = None
+    for z_ref, token_major, dout_ref, dz_ref, n in terms:
+        for cols in column_tiles(n):
+            z, scaled = _scaled_tile(z_ref, at, cols, beta_rows, token_major)
+            store_split(load(_view(dout_ref, at, cols)).astype(F32), (a_hi, a_lo))
+            store_split(scaled, (b_hi, b_lo))
+            plgpu.commit_smem()
+            part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))                # dW X^T, one tile of K
+            dz = _product((t_hi.T, t_lo.T), (a_hi, a_lo))                  # dX = T^T dW
+            _view(dz_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(dz_ref.dtype)
+            share = jnp.sum(dz * z, axis=1)
+            dt, dbeta = (part, share) if dt is None else (dt + part, dbeta + share)
+    return dt, dbeta
+
+
+def _strictly_lower():
+    return iota(FULL, 0) > iota(FULL, 1)
+
+
+def _lower_grad(dt, t_parts, scratch):
+    """``dL = -tril(T^T dT T^T, -1)``, fp32 ``[C, C]``."""
+    (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
+    store_split(dt, (a_hi, a_lo))
+    plgpu.commit_smem()
+    store_split(_product((t_hi.T, t_lo.T), (a_hi, a_lo)), (b_hi, b_lo))  # T^T dT
+    plgpu.commit_smem()
+    dm = _product((b_hi, b_lo), (t_hi.T, t_lo.T))                       # (T^T dT) T^T
+    return jnp.where(_strictly_lower(), -dm, 0.0)
+
+
+def _bwd_call(t, akk, beta, xk, v, dw, du, *, interpret):
+    """Raw backward kernel: ``(dAkk, dbeta, dxk, dv)`` in the shapes of ``akk`` (fp32, zero on and
+    above the diagonal), ``beta`` (fp32), ``xk`` and ``v`` (their dtypes; ``dv`` token-major)."""
     nb, h, tp, _ = t.shape
-    dk, dv = x.shape[-1], y.shape[-1]
+    dk, dv = xk.shape[-1], v.shape[-1]
 
-    def body(t_ref, x_ref, y_ref, dw_ref, du_ref, dl_ref, dx_ref, dy_ref,
-             t_hi, t_lo, a_hi, a_lo, b_hi, b_lo):
-        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
-        tok = pl.ds(ni * CHUNK, CHUNK)
-        store_split(load(t_ref.at[bi, hi, tok]), (t_hi, t_lo))
-        dt = None
-        for z_ref, dz_ref_in, dz_ref, n in ((x_ref, dw_ref, dx_ref, dk), (y_ref, du_ref, dy_ref, dv)):
-            for cols in column_tiles(n):
-                store_split(load(dz_ref_in.at[bi, hi, tok, cols]), (a_hi, a_lo))
-                store_split(load(z_ref.at[bi, hi, tok, cols]), (b_hi, b_lo))
-                plgpu.commit_smem()
-                part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))        # dW X^T, one tile of K
-                dt = part if dt is None else dt + part
-                dz_ref.at[bi, hi, tok, cols][...] = _product((t_hi.T, t_lo.T), (a_hi, a_lo))  # T^T dW
-        store_split(dt, (a_hi, a_lo))
-        plgpu.commit_smem()
-        tt_dt = _product((t_hi.T, t_lo.T), (a_hi, a_lo))              # T^T dT
-        store_split(tt_dt, (b_hi, b_lo))
-        plgpu.commit_smem()
-        dm = _product((b_hi, b_lo), (t_hi.T, t_lo.T))                 # (T^T dT) T^T
-        strict = iota(FULL, 0) > iota(FULL, 1)
-        dl_ref.at[bi, hi, tok][...] = jnp.where(strict, -dm, 0.0)
+    def body(t_ref, akk_ref, beta_ref, xk_ref, v_ref, dw_ref, du_ref,
+             dakk_ref, dbeta_ref, dxk_ref, dv_ref, t_hi, t_lo, *scratch):
+        at = _this_chunk()
+        beta_rows = _beta_rows(beta_ref, at)
+        store_split(load(_view(t_ref, at, ALL)), (t_hi, t_lo))
+        terms = ((xk_ref, False, dw_ref, dxk_ref, dk), (v_ref, True, du_ref, dv_ref, dv))
+        dt, dbeta = _operand_grads(at, beta_rows, terms, (t_hi, t_lo), scratch)
+        dl = _lower_grad(dt, (t_hi, t_lo), scratch)
+        akk = load(_view(akk_ref, at, ALL))
+        _view(dakk_ref, at, ALL)[...] = dl * beta_rows
+        # where, not a product alone: Akk's junk on and above the diagonal may be anything
+        dbeta = dbeta + jnp.sum(jnp.where(_strictly_lower(), dl * akk, 0.0), axis=1)
+        dbeta_ref.at[at.b, at.h, at.tok][...] = dbeta
 
     # Every input goes from GMEM to registers (each is read once): without staging them in SMEM
     # (192 KB at K = V = 128) several CTAs share an SM and hide each other's latency.
     scratch = tuple(tiles(FULL) for _ in range(6))
-    out_type = tuple(jax.ShapeDtypeStruct(a.shape, F32) for a in (t, x, y))
+    out_type = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (akk, beta, xk, v))
     run = kernel(body, "kda_wy_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(t, x, y, dw, du)
+    return run(t, akk, beta, xk, v, dw, du)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ())
+_fwd_jit = shared_lowering(_fwd_call, ("w_dtype",))
 _bwd_jit = shared_lowering(_bwd_call, ())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _wy(lower, x, y, interpret):
-    _, w, u = _fwd_jit(lower, x, y, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _wy(akk, beta, xk, v, w_dtype, interpret):
+    _, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, interpret=interpret)
     return w, u
 
 
-def _wy_fwd(lower, x, y, interpret):
-    t, w, u = _fwd_jit(lower, x, y, interpret=interpret)
-    return (w, u), (t, x, y)
+def _wy_fwd(akk, beta, xk, v, w_dtype, interpret):
+    t, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, interpret=interpret)
+    return (w, u), (t, akk, beta, xk, v)
 
 
-def _wy_bwd(interpret, res, cts):
-    t, x, y = res
-    dw, du = (c.astype(F32) for c in cts)
-    return _bwd_jit(t, x, y, dw, du, interpret=interpret)
+def _wy_bwd(w_dtype, interpret, res, cts):
+    dw, du = cts  # dW in w_dtype (read and widened in the kernel), dU fp32
+    return _bwd_jit(*res, dw, du, interpret=interpret)
 
 
 _wy.defvjp(_wy_fwd, _wy_bwd)
 
 
-def wy(lower, x, y, *, interpret: bool = False):
-    """``(W, U) = (T X, T Y)`` with ``T = (I + L)^-1`` per chunk of 64 rows, fp32.
-
-    Args:
-      lower: ``[B, H, Tp, 64]``: row ``t`` holds chunk-local row ``t mod 64`` of a strictly
-        lower-triangular ``L`` (entries on or above the diagonal are never read).
-      x: ``[B, H, Tp, K]``, y: ``[B, H, Tp, V]`` with ``K, V`` multiples of 64.
-      interpret: run in the Mosaic GPU interpreter (CPU tests).
-
-    Returns ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32. Differentiable in all three inputs (the
-    gradient of ``lower`` lives on its strictly lower entries); the backward is a Mosaic kernel.
-    """
-    if lower.ndim != 4 or lower.shape[3] != CHUNK or lower.shape[2] % CHUNK:
-        raise ValueError(f"wy: lower must be [B, H, Tp, {CHUNK}] with Tp a multiple of {CHUNK}, "
-                         f"got {lower.shape}")
-    for name, z in (("x", x), ("y", y)):
-        if z.ndim != 4 or z.shape[:3] != lower.shape[:3] or z.shape[3] % CHUNK:
-            raise ValueError(f"wy: {name} must be [B, H, Tp, D] = {lower.shape[:3]} + (a multiple of "
-                             f"{CHUNK},), got {z.shape}")
-    for name, z in (("lower", lower), ("x", x), ("y", y)):
+def _check_args(akk, beta, xk, v, w_dtype) -> None:
+    """ValueError naming the first argument of :func:`wy` with a wrong shape or dtype."""
+    if akk.ndim != 4 or akk.shape[3] != CHUNK or akk.shape[2] % CHUNK:
+        raise ValueError(f"wy: akk must be [B, H, Tp, {CHUNK}] with Tp a multiple of {CHUNK}, "
+                         f"got {akk.shape}")
+    nb, h, tp, _ = akk.shape
+    if beta.shape != (nb, h, tp):
+        raise ValueError(f"wy: beta must be [B, H, Tp] = {(nb, h, tp)}, got {beta.shape}")
+    if xk.ndim != 4 or xk.shape[:3] != (nb, h, tp) or xk.shape[3] % CHUNK:
+        raise ValueError(f"wy: xk must be [B, H, Tp, K] = {(nb, h, tp)} + (a multiple of {CHUNK},), "
+                         f"got {xk.shape}")
+    if v.ndim != 4 or v.shape[:3] != (nb, tp, h) or v.shape[3] % CHUNK:
+        raise ValueError(f"wy: v must be token-major [B, Tp, H, V] = {(nb, tp, h)} + (a multiple of "
+                         f"{CHUNK},), got {v.shape}")
+    for name, z in (("akk", akk), ("beta", beta)):
         if not jnp.issubdtype(z.dtype, jnp.floating):
             raise ValueError(f"wy: {name} must be floating point, got {z.dtype}")
-    return _wy(lower.astype(F32), x.astype(F32), y.astype(F32), interpret)
+    for name, dtype in (("xk", xk.dtype), ("v", v.dtype), ("w_dtype", w_dtype)):
+        if jnp.dtype(dtype) not in OPERAND_DTYPES:
+            raise ValueError(f"wy: {name} must be float32 or bfloat16, got {dtype}")
+
+
+def wy(akk, beta, xk, v, *, w_dtype=F32, interpret: bool = False):
+    """``(W, U) = (T X, T Y)`` per chunk of 64 rows, with ``T = (I + L)^-1``,
+    ``L[r, j] = beta_r Akk[r, j]`` (``r > j``), ``X = beta xk`` and ``Y = beta v``.
+
+    Args:
+      akk: ``[B, H, Tp, 64]``: row ``t`` holds chunk-local row ``t mod 64`` of ``Akk`` (only
+        entries strictly below the diagonal are read; the rest may hold anything).
+      beta: ``[B, H, Tp]`` (head-major).
+      xk: ``[B, H, Tp, K]``, float32 or bfloat16: ``k exp(G)``, already masked.
+      v: ``[B, Tp, H, V]``, float32 or bfloat16, in the caller's token-major layout (read and its
+        gradient written in place, no transpose). ``K, V`` multiples of 64.
+      w_dtype: dtype of ``W`` (float32 or bfloat16).
+      interpret: run in the Mosaic GPU interpreter (CPU tests).
+
+    Returns ``(W [B, H, Tp, K] in w_dtype, U [B, H, Tp, V] fp32)``. Differentiable in all four
+    inputs (``akk``'s gradient is zero on and above the diagonal; ``xk``'s and ``v``'s come in their
+    dtypes); the backward is a Mosaic kernel.
+    """
+    _check_args(akk, beta, xk, v, w_dtype)
+    return _wy(akk.astype(F32), beta.astype(F32), xk, v, jnp.dtype(w_dtype), interpret)
 
 
 __all__ = ["CHUNK", "wy", "wy_reference", "unit_lower_inverse_reference"]

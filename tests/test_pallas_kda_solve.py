@@ -1,8 +1,9 @@
-"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, as Mosaic GPU kernels
-(``pallas_kernels.kda_solve.wy``) in the CPU interpreter, against a triangular solve and matmuls in
-fp32: random chunks and the correlated-keys regime where inverses built from powers of ``L`` fail;
-the backward kernel against autodiff of the reference; ``prepare`` and ``kda_pallas`` with
-``solve="mosaic"``; lowering for sm_90.
+"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta xk``,
+``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU interpreter,
+against a triangular solve and matmuls in fp32: random chunks and the correlated-keys regime where
+inverses built from powers of ``L`` fail; every gradient of the backward kernel against autodiff of
+the reference; bf16 operands; ``prepare`` and ``kda_pallas`` with ``solve="mosaic"``; lowering for
+sm_90.
 """
 
 from __future__ import annotations
@@ -13,69 +14,113 @@ import numpy as np
 import pytest
 
 from helpers import kda_bf16_case, kda_correlated_keys_case
-from k3jax.ops.tolerance import FP32_TOL, rel_rms
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels.kda_prep import prepare
 from pallas_kernels.kda_solve import CHUNK, unit_lower_inverse_reference, wy, wy_reference
 from test_pallas_kda import _check_all
 
-STRICT = np.tril(np.ones((CHUNK, CHUNK), bool), -1)
+STRICT = np.tri(CHUNK, k=-1, dtype=bool)
+NAMES = ("akk", "beta", "xk", "v")
 
 
-def _chunks(correlated: bool, n: int = 2, seed: int = 0):
-    """``[1, 1, 64 n, 64]`` fp32: strictly lower ``beta_r k_r . k_j`` per chunk, plus entries on and
-    above the diagonal that the op must ignore."""
+def _akk_and_beta(correlated: bool, b: int, h: int, n: int, seed: int):
+    """``akk [b, h, 64 n, 64]`` (strictly lower ``k_r . k_j`` per chunk, junk on and above the
+    diagonal that the op must ignore) and ``beta [b, h, 64 n]``, fp32."""
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        k = rng.normal(size=(CHUNK, 64))
-        if correlated:                     # nearly parallel keys, beta 0.99
-            k = rng.normal(size=(1, 64)) + 0.3 * k
-        k /= np.linalg.norm(k, axis=1, keepdims=True)
-        beta = 0.99 if correlated else 1 / (1 + np.exp(-rng.normal(size=(CHUNK, 1))))
-        out.append(np.where(STRICT, (k @ k.T) * beta, rng.normal(size=(CHUNK, CHUNK))))
-    return jnp.asarray(np.concatenate(out)[None, None], jnp.float32)
+    k = rng.normal(size=(b, h, n, CHUNK, 64))
+    if correlated:                     # nearly parallel keys, beta 0.99
+        k = rng.normal(size=(b, h, n, 1, 64)) + 0.3 * k
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    akk = np.where(STRICT, k @ np.swapaxes(k, -1, -2), rng.normal(size=(b, h, n, CHUNK, CHUNK)))
+    logits = np.full((b, h, n * CHUNK), 4.6) if correlated else rng.normal(size=(b, h, n * CHUNK))
+    beta = 1 / (1 + np.exp(-logits))  # 0.99 where correlated
+    return jnp.asarray(akk.reshape(b, h, n * CHUNK, CHUNK), jnp.float32), jnp.asarray(beta, jnp.float32)
 
 
-def _strict(lower):
-    return jnp.where(jnp.tile(jnp.asarray(STRICT), (lower.shape[2] // CHUNK, 1)), lower, 0.0)
+def _case(correlated: bool, b: int, h: int, n: int, dk: int, dv: int, seed: int):
+    """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32."""
+    akk, beta = _akk_and_beta(correlated, b, h, n, seed)
+    kx, kv = jax.random.split(jax.random.key(seed))
+    tp = n * CHUNK
+    return akk, beta, jax.random.normal(kx, (b, h, tp, dk)), jax.random.normal(kv, (b, tp, h, dv))
 
 
-def _identity_rows(lower):
-    """``[1, 1, Tp, 64]``: the identity in every chunk, so that ``W = T`` itself."""
-    return jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (lower.shape[2] // CHUNK, 1))[None, None]
+def _cotangents(w_shape, u_shape, seed: int):
+    kw, ku = jax.random.split(jax.random.key(seed + 100))
+    return jax.random.normal(kw, w_shape), jax.random.normal(ku, u_shape)
+
+
+def _run(args, cts, w_dtype):
+    """Kernel outputs and gradients, and the fp32 reference's on the same (fp32-widened) values."""
+    out, vjp = jax.vjp(lambda *a: wy(*a, w_dtype=w_dtype, interpret=True), *args)
+    grads = vjp((cts[0].astype(w_dtype), cts[1]))
+    ref, ref_vjp = jax.vjp(wy_reference, *(a.astype(jnp.float32) for a in args))
+    ref_grads = ref_vjp((cts[0].astype(w_dtype).astype(jnp.float32), cts[1]))
+    return out, grads, ref, ref_grads
+
+
+def _assert_close(refs, outs, names, tol):
+    for name, r, o in zip(names, refs, outs, strict=True):
+        err = rel_rms(r, o)
+        assert err <= tol, (name, err, tol)
+
+
+def _assert_akk_grad_strict(dakk):
+    """``dAkk`` is exactly zero on and above every chunk's diagonal."""
+    chunks = np.asarray(dakk).reshape(-1, CHUNK, CHUNK)
+    assert np.all(chunks[:, ~STRICT] == 0)
+    assert np.any(chunks[:, STRICT] != 0)
 
 
 @pytest.mark.parametrize("correlated", [False, True])
 def test_inverse_matches_triangular_solve(correlated):
-    """``W`` with ``X = I`` is ``T``: exact elimination on the 16x16 blocks, split-bf16 merges, within
-    SPEC 10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach 1e16."""
-    lower = _chunks(correlated)
-    eye = _identity_rows(lower)
-    t, _ = wy(lower, eye, eye, interpret=True)
-    assert rel_rms(unit_lower_inverse_reference(_strict(lower)), t) <= FP32_TOL
+    """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks, split-bf16
+    merges, within SPEC 10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach 1e16."""
+    akk, beta = _akk_and_beta(correlated, 1, 1, 2, seed=0)
+    akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
+    eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
+    t, _ = wy(akk, jnp.ones_like(beta), eye, jnp.zeros((1, 2 * CHUNK, 1, CHUNK)), interpret=True)
+    ref = unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
+    assert rel_rms(ref, t) <= FP32_TOL
 
 
-@pytest.mark.parametrize("correlated", [False, True])
-def test_wy_values_and_gradients_match_reference(correlated):
-    """``W, U`` (K = 128, V = 64) and the gradients of ``L``, ``X``, ``Y`` against autodiff of the fp32
-    reference, FP32_TOL; the gradient of ``L`` is exactly zero on and above the diagonal."""
-    lower = _chunks(correlated, n=2, seed=1)
-    keys = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(keys[0], lower.shape[:3] + (128,))
-    y = jax.random.normal(keys[1], lower.shape[:3] + (64,))
-    cts = (jax.random.normal(keys[2], x.shape), jax.random.normal(keys[3], y.shape))
-    out, vjp = jax.vjp(lambda *a: wy(*a, interpret=True), lower, x, y)
-    ref, ref_vjp = jax.vjp(lambda l, x, y: wy_reference(_strict(l), x, y), lower, x, y)
-    for name, r, o in zip(("w", "u"), ref, out):
-        assert rel_rms(r, o) <= FP32_TOL, (name, rel_rms(r, o))
-    grads, ref_grads = vjp(cts), ref_vjp(cts)
-    for name, r, g in zip(("lower", "x", "y"), ref_grads, grads):
-        assert rel_rms(r, g) <= FP32_TOL, (name, rel_rms(r, g))
-    assert float(jnp.max(jnp.abs(jnp.where(STRICT, 0.0, grads[0][0, 0].reshape(-1, CHUNK, CHUNK))))) == 0
+@pytest.mark.parametrize("correlated, b, h", [(False, 2, 2), (True, 1, 2)])
+def test_wy_values_and_gradients_match_reference(correlated, b, h):
+    """``W, U`` (K = 128, V = 64) and the gradients of ``akk``, ``beta``, ``xk``, ``v`` (token-major,
+    several batches and heads) against autodiff of the fp32 reference, FP32_TOL; ``dAkk`` is exactly
+    zero on and above the diagonal."""
+    args = _case(correlated, b, h, 2, 128, 64, seed=1)
+    cts = _cotangents(args[2].shape, args[2].shape[:3] + (64,), seed=1)
+    out, grads, ref, ref_grads = _run(args, cts, jnp.float32)
+    assert [o.dtype for o in out] == [jnp.float32] * 2
+    _assert_close(ref, out, ("w", "u"), FP32_TOL)
+    assert [g.shape for g in grads] == [a.shape for a in args]
+    _assert_close(ref_grads, grads, NAMES, FP32_TOL)
+    _assert_akk_grad_strict(grads[0])
+
+
+def test_wy_bf16_operands():
+    """bf16 ``xk``, ``v`` and ``W`` against the fp32 reference on the same bf16 values (and the same
+    bf16 cotangent of ``W``): what comes out in bf16 (``W``, ``dxk``, ``dv``) within SPEC 10's bf16
+    tolerances, what comes out in fp32 (``U``, ``dAkk``, ``dbeta``) within FP32_TOL; outputs and
+    gradients in the promised dtypes."""
+    akk, beta, xk, v = _case(False, 2, 2, 1, 64, 128, seed=2)
+    args = (akk, beta, xk.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    cts = _cotangents(xk.shape, xk.shape[:3] + (128,), seed=2)
+    out, grads, ref, ref_grads = _run(args, cts, jnp.bfloat16)
+    assert [o.dtype for o in out] == [jnp.bfloat16, jnp.float32]
+    assert [g.dtype for g in grads] == [jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16]
+    _assert_close(ref[:1], out[:1], ("w",), BF16_OUT_TOL)
+    _assert_close(ref[1:], out[1:], ("u",), FP32_TOL)
+    _assert_close(ref_grads[:2], grads[:2], NAMES[:2], FP32_TOL)
+    _assert_close(ref_grads[2:], grads[2:], NAMES[2:], BF16_GRAD_QKV_TOL)
+    _assert_akk_grad_strict(grads[0])
 
 
 def test_prepare_with_mosaic_solve_matches_xla():
-    """Every output of the token-parallel part and its gradients, both ways of forming ``W, U``."""
+    """Every output of the token-parallel part and its gradients, both ways of forming ``W, U``:
+    FP32_TOL, BF16_OUT_TOL for an output one path stores in bf16 (the Mosaic ``W``); both paths get
+    the same cotangents (bf16 values, each in its output's dtype)."""
     args, _, _ = kda_bf16_case(3, 1, 100, 2, 64, 64, "lower_bound")
     q, k, v, g, beta, _ = args
 
@@ -84,12 +129,14 @@ def test_prepare_with_mosaic_solve_matches_xla():
                                interpret=True)
         out, vjp = jax.vjp(f, q, k, v, g, beta)
         keys = jax.random.split(jax.random.key(5), len(out))
-        cts = type(out)(*(jax.random.normal(key, o.shape) for key, o in zip(keys, out)))
+        cts = type(out)(*(jax.random.normal(key, o.shape).astype(jnp.bfloat16).astype(o.dtype)
+                          for key, o in zip(keys, out)))
         return out, vjp(cts)
 
     (out, grads), (ref, ref_grads) = run("mosaic"), run("xla")
     for name, a, b in zip(ref._fields, ref, out):
-        assert rel_rms(a, b) <= FP32_TOL, name
+        tol = BF16_OUT_TOL if jnp.bfloat16 in (a.dtype, b.dtype) else FP32_TOL
+        assert rel_rms(a, b) <= tol, (name, rel_rms(a, b), tol)
     for name, a, b in zip("q k v g beta".split(), ref_grads, grads):
         assert rel_rms(a, b) <= FP32_TOL, name
 
@@ -101,18 +148,35 @@ def test_kda_pallas_with_mosaic_solve_on_correlated_keys():
     _check_all(args, None, do, dfin)  # kda_pallas's defaults: Mosaic scores and solve
 
 
-def test_wy_lowers_for_cuda_and_rejects_bad_shapes():
-    lower = jax.ShapeDtypeStruct((2, 4, 8 * CHUNK, CHUNK), jnp.float32)
-    x = jax.ShapeDtypeStruct((2, 4, 8 * CHUNK, 128), jnp.float32)
-    y = jax.ShapeDtypeStruct((2, 4, 8 * CHUNK, 64), jnp.float32)
-    fwd = jax.jit(lambda *a: jax.vjp(wy, *a))
-    jax.jit(lambda l, x, y, dw, du: jax.vjp(wy, l, x, y)[1]((dw, du))).trace(
-        lower, x, y, x, y).lower(lowering_platforms=("cuda",))
-    fwd.trace(lower, x, y).lower(lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match="lower must be \\[B, H, Tp, 64\\]"):
-        wy(jnp.zeros((1, 1, 64, 32)), jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)))
-    with pytest.raises(ValueError, match="y must be"):
-        wy(jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 32)))
+@pytest.mark.parametrize("width, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
+def test_wy_lowers_for_cuda(width, dtype):
+    """Forward and VJP lower to Mosaic GPU for sm_90 (layouts the interpreter does not check)."""
+    b, h, tp = 2, 4, 8 * CHUNK
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, h, tp, CHUNK), jnp.float32), sds((b, h, tp), jnp.float32),
+            sds((b, h, tp, width), dtype), sds((b, tp, h, width), dtype))
+    cts = (sds((b, h, tp, width), dtype), sds((b, h, tp, width), jnp.float32))
+    f = lambda *a: wy(*a, w_dtype=dtype)  # noqa: E731
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda a, c: jax.vjp(f, *a)[1](c)).trace(args, cts).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("akk", {"akk": jnp.zeros((1, 2, 128, 32))}),
+    ("beta", {"beta": jnp.zeros((1, 128, 2))}),
+    ("xk", {"xk": jnp.zeros((1, 2, 128, 96))}),
+    ("v", {"v": jnp.zeros((1, 2, 128, 64))}),           # head-major: v must be token-major
+    ("xk", {"xk": jnp.zeros((1, 2, 128, 64), jnp.float16)}),
+    ("w_dtype", {"w_dtype": jnp.float16}),
+])
+def test_wy_rejects_bad_inputs(name, changes):
+    args = {"akk": jnp.zeros((1, 2, 128, CHUNK)), "beta": jnp.zeros((1, 2, 128)),
+            "xk": jnp.zeros((1, 2, 128, 64)), "v": jnp.zeros((1, 128, 2, 64)), **changes}
+    with pytest.raises(ValueError, match=f"wy: {name} must be"):
+        wy(args.pop("akk"), args.pop("beta"), args.pop("xk"), args.pop("v"), **args)
+
+
+def test_prepare_rejects_unknown_solve():
     with pytest.raises(ValueError, match="solve must be one of"):
         prepare(*(jnp.zeros((1, 64, 1, 64)),) * 4, jnp.zeros((1, 64, 1)), scale=1.0, chunk_size=64,
                 solve="lapack")
