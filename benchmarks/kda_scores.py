@@ -2,7 +2,8 @@
 
 The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) take more time on the H200 than
 their loads, stores and WGMMAs account for (docs/benchmarks.md). This times the forward kernel
-(``Aqk`` and ``Akk``) and the backward kernel alone at one shape, jitted, median of 5 x 10 calls, for:
+(``Aqk``, ``Akk`` and the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma``) and the backward kernel
+(with their chain rule) alone at one shape, jitted, median of 5 x 10 calls, for:
 
 - ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes
   every chunk bounded, so the two-level fast path runs), ``exact_exp``: the same without Mosaic's
@@ -34,6 +35,7 @@ from _timing import emit, timed
 from pallas_kernels import kda_scores
 
 F32 = jnp.float32
+SCALE = 128**-0.5
 
 
 def _no_anchors(p_ref, parts):
@@ -75,23 +77,29 @@ def _swapped(attrs: dict):
 
 def _kernels():
     """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
-    fwd = jax.jit(lambda q, k, g: kda_scores._fwd_call(  # noqa: E731
-        (q,), k, g, kda_scores.bounded_chunks(g), which=(0, -1), out_dtypes=(jnp.dtype(F32),) * 2,
-        interpret=False))
-    bwd = jax.jit(lambda q, k, g, d1, d2: kda_scores._bwd_call(  # noqa: E731
-        (q,), k, g, (d1, d2), kda_scores.bounded_chunks(g), which=(0, -1), interpret=False))
-    return fwd, bwd
+    def fwd(q, k, g):
+        return kda_scores._fwd_call(q, k, g, kda_scores.bounded_chunks(g), (), scale=SCALE, interpret=False)
+
+    def bwd(q, k, g, daqk, dakk, dqg, dkg, dxk, dgamma):
+        return kda_scores._bwd_call(q, k, g, daqk, dakk, (dqg, dkg, dxk), dgamma, kda_scores.bounded_chunks(g),
+                                    (), scale=SCALE, interpret=False)
+
+    return jax.jit(fwd), jax.jit(bwd)
 
 
 def _inputs(b, t, h, d):
-    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    """q, k ``[B, T, H, D]`` bf16 (the caller's layout), ``G`` head-major, and one cotangent per
+    forward output in its dtype."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 9)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = (unit(jax.random.normal(ks[0], (b, h, t, d))) * d**-0.5).astype(jnp.bfloat16)
-    k = unit(jax.random.normal(ks[1], (b, h, t, d))).astype(jnp.bfloat16)
+    q = unit(jax.random.normal(ks[0], (b, t, h, d))).astype(jnp.bfloat16)
+    k = unit(jax.random.normal(ks[1], (b, t, h, d))).astype(jnp.bfloat16)
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[2], (b, h, t // 64, 64, d)))
     g_cum = jnp.cumsum(g, axis=-2).reshape(b, h, t, d)
-    ds = tuple(jax.random.normal(key, (b, h, t, 64)) for key in ks[3:])
-    return (q, k, g_cum), ds
+    shapes = (((b, h, t, 64), jnp.bfloat16), ((b, h, t, 64), F32), *(((b, h, t, d), jnp.bfloat16),) * 3,
+              ((b, h, t // 64, d), F32))
+    cts = tuple(jax.random.normal(key, shp).astype(dt) for key, (shp, dt) in zip(ks[3:], shapes))
+    return (q, k, g_cum), cts
 
 
 def run_variant(name: str, shape, lower_only: bool) -> list[dict]:

@@ -3,18 +3,19 @@
 ``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
 chunked form of SPEC 3.3, in three parts:
 
-1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): padding, segment masks,
-   ``Qg, Kg`` under XLA; the gates' chunk cumsum (:mod:`pallas_kernels.kda_cumsum`), the intra-chunk
-   score matrices (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U``
-   (:mod:`pallas_kernels.kda_solve`) as Mosaic GPU kernels with their own VJPs (``scores="xla"``,
-   ``solve="xla"`` compute them in XLA).
+1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): the gates' chunk cumsum
+   (:mod:`pallas_kernels.kda_cumsum`), the intra-chunk score matrices with the gated operands ``Qg``,
+   ``Kg``, ``Xk``, ``gamma`` (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U``
+   (:mod:`pallas_kernels.kda_solve`), Mosaic GPU kernels with their own VJPs that read and write the
+   caller's ``[B, T, H, K]`` layout where it is theirs (``scores="xla"``, ``solve="xla"`` compute the
+   same in XLA). Only padding, the segment masks and ``beta``'s transpose are left to XLA.
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd`: the reverse recurrence (Mosaic GPU kernel), then
    the per-chunk products of the state gradients (batched, bf16 operands, fp32 accumulation).
 
-Parts 2 and 3 are joined by ``jax.custom_vjp``; part 1 is differentiated by JAX's autodiff, so
-every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
+Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains the VJPs of part 1's kernels
+(each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
 the kernels' matmul operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are
 therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
 """
@@ -47,14 +48,12 @@ def _bf16(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    """The state kernels; ``aqk`` bf16 (its cotangent comes back bf16), the rest fp32."""
-    o, final, _, _ = _state_fwd_jit(_bf16(qg), _bf16(kg), _bf16(w), u, aqk, gamma, h0,
-                               chunk_size=chunk_size, interpret=interpret)
+    """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest fp32."""
+    o, final, _, _ = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
     return o, final
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    qg, kg, w = _bf16(qg), _bf16(kg), _bf16(w)
     o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
     return (o, final), (qg, kg, w, aqk, gamma, states, vt)
 
@@ -65,7 +64,7 @@ def _state_pass_bwd(chunk_size, interpret, res, cts):
     dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, do,
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
-    return dqg, dkg, dw, du, _bf16(daqk), dgam, dh0
+    return _bf16(dqg), _bf16(dkg), _bf16(dw), du, _bf16(daqk), dgam, dh0
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
@@ -123,7 +122,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
                 scores=scores, solve=solve, interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    o, final = _state_pass(p.qg, p.kg, p.w, p.u, _bf16(p.aqk), p.gamma, h0, chunk_size, interpret)
+    o, final = _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
+                           chunk_size, interpret)
     o = o[:, :t].astype(q.dtype)  # bf16 [B, Tp, H, V] from the kernel
     return o, (final if output_final_state else None)
 

@@ -1,16 +1,17 @@
-"""Token-parallel part of chunked KDA (SPEC 3.3), in plain JAX: everything but the recurrence.
+"""Token-parallel part of chunked KDA (SPEC 3.3): everything but the recurrence over chunks.
 
-For each chunk of ``C`` tokens (one head) this forms, from the cumulative log-decay ``G``:
+For each chunk of ``C = 64`` tokens (one head) this forms, from the cumulative log-decay ``G``:
 
 * ``Aqk [C, C]`` = ``scale * sum_c q_rc k_jc exp(G_rc - G_jc)`` for ``r >= j``;
-* ``T = (I + L)^-1`` with ``L[r, j] = beta_r sum_c k_rc k_jc exp(G_rc - G_jc)``, ``r > j``;
-* ``W = T (beta Gamma K)``, ``U = T (beta V)``, ``Qg = scale Gamma Q``,
+* ``T = (I + L)^-1`` with ``L[r, j] = beta_r Akk[r, j]``, ``Akk[r, j] = sum_c k_rc k_jc exp(G_rc - G_jc)``, ``r > j``;
+* ``W = T (beta Xk)``, ``U = T (beta V)`` with ``Xk = exp(G) K``; ``Qg = scale exp(G) Q``,
   ``Kg = exp(G_C - G) K`` and ``gamma = exp(G_C)``;
 
-the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`). This part runs
-under XLA and is differentiated by JAX's autodiff, except where ``scores`` / ``solve`` pick the
-Mosaic GPU kernels for the gates' chunk cumsum and the score matrices, and for the inverse with
-``W``, ``U`` (each with its own VJP).
+the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`), in three steps with
+their own VJPs: the gates' chunk cumsum (:mod:`pallas_kernels.kda_cumsum`), the scores with the
+gated operands (:mod:`pallas_kernels.kda_scores`), the chunk inverse with ``W``, ``U``
+(:mod:`pallas_kernels.kda_solve`). ``scores="xla"`` / ``solve="xla"`` compute the same quantities in
+plain JAX (differentiated by autodiff): the reference structure the kernels are tested against.
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow. Scores are built on a binary tree of row blocks:
@@ -21,9 +22,9 @@ any gate (softplus or lower-bound form, any magnitude). The diagonal ``r = j`` h
 
 Packed documents (``segment_ids``): no term may cross a segment start. Intra-chunk scores are
 masked by ``same_segment[r, j]``; the state entering a chunk reaches row ``r`` only if no segment
-starts in the chunk at or before ``r`` (``Gamma`` and ``gamma`` masked); a key reaches the state
-leaving the chunk only if no segment starts after it in the chunk (``Kg`` masked). This equals the
-reference's "state set to zero at a segment's first token".
+starts in the chunk at or before ``r`` (``exp(G)`` and ``gamma`` masked by ``enter``); a key reaches
+the state leaving the chunk only if no segment starts after it in the chunk (``Kg`` masked by
+``leave``). This equals the reference's "state set to zero at a segment's first token".
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kda_cumsum import chunk_cumsum
-from pallas_kernels.kda_scores import CHUNK as _SCORES_CHUNK
-from pallas_kernels.kda_scores import qk_kk_scores
-from pallas_kernels.kda_solve import CHUNK as _SOLVE_CHUNK
+from pallas_kernels.kda_scores import CHUNK, GatedScores, SegmentMasks, gate_products, gated_scores
+from pallas_kernels.kda_scores import same_segment_reference as _same_segment
 from pallas_kernels.kda_solve import wy, wy_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
@@ -47,9 +47,10 @@ _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 class Prepared(NamedTuple):
     """Per-chunk inputs of the state kernels, head-major ``[B, H, Tp, .]`` (``Tp`` padded to ``C``).
 
-    qg, kg, w: ``[B, H, Tp, K]`` fp32; u: ``[B, H, Tp, V]`` fp32; aqk: ``[B, H, Tp, C]`` (row ``t``
-    holds the chunk-local row of ``Aqk``), fp32, or bf16 from the Mosaic scores kernel (the state
-    kernels' operand dtype); gamma: ``[B, H, NC, K]`` fp32.
+    qg, kg, w: ``[B, H, Tp, K]``; u: ``[B, H, Tp, V]`` fp32; aqk: ``[B, H, Tp, C]`` (row ``t`` holds
+    the chunk-local row of ``Aqk``); gamma: ``[B, H, NC, K]`` fp32. ``qg, kg, aqk`` are bf16 from the
+    Mosaic scores kernel and ``w`` from the Mosaic solve (the state kernels' operand dtype), fp32
+    from the XLA paths.
     """
 
     qg: jax.Array
@@ -102,23 +103,39 @@ def _tree_scores(a, b, g_cum):
     return out
 
 
-def _segment_masks(segment_ids, b, nc, c):
-    """Masks for packed documents, or None. Returns ``(same [B,NC,C,C], enter [B,NC,C], leave [B,NC,C])``.
-
-    ``same[r, j]``: r and j in one segment; ``enter[r]``: the state entering the chunk reaches row r;
-    ``leave[j]``: row j's key reaches the state leaving the chunk.
-    """
+def segment_masks(segment_ids, chunk_size: int) -> SegmentMasks | None:
+    """Per-token masks of packed documents, padded to a multiple of ``chunk_size`` (module docstring),
+    or None without ``segment_ids`` (``[B, T]`` integers; a segment starts where the id changes)."""
     if segment_ids is None:
         return None
+    c = chunk_size
     seg = segment_ids.astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     starts = pad_time(starts, c, False)
-    idx = jnp.cumsum(starts.astype(jnp.int32), axis=1).reshape(b, nc, c)  # segment counter
-    before = idx[:, :, :1] - starts.reshape(b, nc, c)[:, :, :1].astype(jnp.int32)  # counter before chunk
-    same = idx[:, :, :, None] == idx[:, :, None, :]
-    enter = idx == before
-    leave = idx == idx[:, :, -1:]
-    return same, enter, leave
+    b, tp = starts.shape
+    idx = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # segment counter
+    chunked = idx.reshape(b, tp // c, c)
+    before = chunked[:, :, :1] - starts.reshape(b, tp // c, c)[:, :, :1].astype(jnp.int32)  # counter before the chunk
+    enter = (chunked == before).reshape(b, tp).astype(jnp.float32)
+    leave = (chunked == chunked[:, :, -1:]).reshape(b, tp).astype(jnp.float32)
+    return SegmentMasks(idx, enter, leave)
+
+
+def _xla_gated_scores(q, k, g, scale: float, masks: SegmentMasks | None) -> GatedScores:
+    """:func:`pallas_kernels.kda_scores.gated_scores` in plain fp32 JAX (anchored tree, not pairwise):
+    q, k, g ``[B, Tp, H, K]`` (``g`` the per-token log-decay, not yet summed)."""
+    b, tp, h, dk = q.shape
+    c, nc = CHUNK, tp // CHUNK
+    chunks = lambda x: jnp.moveaxis(x.reshape(b, nc, c, h, dk), 3, 1)  # noqa: E731  [B, H, NC, C, K]
+    qc, kc = chunks(q), chunks(k)
+    # A product with a lower-triangular ones matrix: XLA lowers jnp.cumsum to an associative scan,
+    # slower on the H200 (1.11 ms against 0.82 forward + backward at (8, 4096, 16, 128)).
+    g_cum = jnp.einsum("rc,...ck->...rk", jnp.tril(jnp.ones((c, c), jnp.float32)), chunks(g), precision=_HI)
+    flat = lambda x: x.reshape(b, h, tp, x.shape[-1])  # noqa: E731
+    same = _same_segment(masks, (b, h, tp, dk))
+    aqk = flat(_tree_scores(qc * scale, kc, g_cum)) * same
+    akk = flat(_tree_scores(kc, kc, g_cum)) * same
+    return GatedScores(aqk, akk, *gate_products(flat(qc), flat(kc), flat(g_cum), scale, masks))
 
 
 SCORES = ("xla", "mosaic")
@@ -129,74 +146,40 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
             solve: str = "xla", interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs.
 
-    q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype (computed
-    in fp32). ``T`` is padded to a multiple of ``chunk_size`` with zero keys, values, queries, beta
-    and gates, which leave the state unchanged.
+    q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype. ``T`` is
+    padded to a multiple of ``chunk_size`` (64) with zero keys, values, queries, beta and gates, which
+    leave the state unchanged.
 
-    ``scores`` picks how ``Aqk`` and ``Akk`` are built: ``"xla"`` (default, :func:`_tree_scores`) or
-    ``"mosaic"`` (:func:`pallas_kernels.kda_scores.qk_kk_scores`, a Mosaic GPU kernel pair with bf16
-    tensor-core operands, and the gates' chunk cumsum by
-    :func:`pallas_kernels.kda_cumsum.chunk_cumsum`; chunk 64, K in {64, 128}; ``interpret`` runs
-    them in the CPU interpreter).
-    ``solve`` picks how ``T = (I + L)^-1`` and ``W``, ``U`` are formed: ``"xla"`` (default, a batched
-    triangular solve and fp32 matmuls) or ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one
-    kernel per direction; chunk 64).
+    ``scores`` picks how ``Aqk``, ``Akk`` and the gated operands are built: ``"xla"`` (default, plain
+    fp32 JAX) or ``"mosaic"`` (the gates' chunk cumsum by :func:`pallas_kernels.kda_cumsum.chunk_cumsum`
+    and :func:`pallas_kernels.kda_scores.gated_scores`, Mosaic GPU kernels with bf16 tensor-core
+    operands: q and k are rounded to bf16; K in {64, 128}). ``solve`` picks how ``T = (I + L)^-1``
+    and ``W``, ``U`` are formed: ``"xla"`` (default, a batched triangular solve and fp32 matmuls) or
+    ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`). ``interpret`` runs the kernels in the CPU
+    interpreter.
     """
     if scores not in SCORES:
         raise ValueError(f"prepare: scores must be one of {SCORES}, got {scores!r}")
-    if scores == "mosaic" and chunk_size != _SCORES_CHUNK:
-        raise ValueError(f"prepare: scores='mosaic' needs chunk_size={_SCORES_CHUNK}, got {chunk_size}")
     if solve not in SOLVES:
         raise ValueError(f"prepare: solve must be one of {SOLVES}, got {solve!r}")
-    if solve == "mosaic" and chunk_size != _SOLVE_CHUNK:
-        raise ValueError(f"prepare: solve='mosaic' needs chunk_size={_SOLVE_CHUNK}, got {chunk_size}")
-    f32, c = jnp.float32, chunk_size
-    b, t, h, dk = q.shape
-    q, k, v, g, beta = (pad_time(x.astype(f32), c) for x in (q, k, v, g, beta))
-    nc = q.shape[1] // c
-
-    def chunks(x):  # [B, Tp, H, D] -> [B, H, NC, C, D]
-        return jnp.moveaxis(x.reshape(b, nc, c, h, -1), 3, 1)
-
-    qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    bc = chunks(beta[..., None])  # [B, H, NC, C, 1]
-    if scores == "mosaic":  # the Mosaic cumsum reads g in its layout and writes G head-major
-        g_cum = chunk_cumsum(g, interpret=interpret).reshape(b, h, nc, c, dk)
-    else:
-        # A product with a lower-triangular ones matrix (fp32): XLA lowers jnp.cumsum to an
-        # associative scan, 1.11 ms forward + backward at (8, 4096, 16, 128) on the H200 against
-        # 0.82 ms for the product (relative difference 5e-7).
-        g_cum = jnp.einsum("rc,...ck->...rk", jnp.tril(jnp.ones((c, c), f32)), chunks(g), precision=_HI)
-    g_last = g_cum[..., -1:, :]  # [B, H, NC, 1, K]
-
+    if chunk_size != CHUNK:
+        raise ValueError(f"prepare: chunk_size must be {CHUNK}, got {chunk_size}")
+    f32, pad = jnp.float32, functools.partial(pad_time, multiple=CHUNK)
+    masks = segment_masks(segment_ids, CHUNK)
+    g = pad(g.astype(f32))
     if scores == "mosaic":
-        heads_major = lambda x: x.reshape(b, h, nc * c, dk)  # noqa: E731  [B, H, NC, C, K] -> [B, H, Tp, K]
-        # Aqk in bf16, the state kernels' operand dtype; Akk in fp32 for the inverse.
-        aqk, akk = qk_kk_scores(heads_major(qc * scale), heads_major(kc), heads_major(g_cum),
-                                out_dtype=(jnp.bfloat16, f32), interpret=interpret)
-        aqk, akk = aqk.reshape(b, h, nc, c, c), akk.reshape(b, h, nc, c, c)
+        q, k = (pad(x.astype(jnp.bfloat16)) for x in (q, k))
+        s = gated_scores(q, k, chunk_cumsum(g, interpret=interpret), scale=scale, masks=masks,
+                         interpret=interpret)
     else:
-        aqk, akk = _tree_scores(qc * scale, kc, g_cum), _tree_scores(kc, kc, g_cum)
-    gamma_rows = jnp.exp(g_cum)
-    kdecay = jnp.exp(g_last - g_cum)
-    gamma = jnp.exp(g_last[..., 0, :])  # [B, H, NC, K]
-    masks = _segment_masks(segment_ids, b, nc, c)
-    if masks is not None:
-        same, enter, leave = (m[:, None].astype(f32) for m in masks)  # broadcast over heads
-        aqk, akk = aqk * same.astype(aqk.dtype), akk * same
-        gamma_rows = gamma_rows * enter[..., None]
-        kdecay = kdecay * leave[..., None]
-        gamma = gamma * enter[..., -1:]
-    lower = akk * bc  # L[r, j] = beta_r * akk[r, j]; both WY paths read only r > j
-
-    def flat(x):  # [B, H, NC, C, D] -> [B, H, Tp, D]
-        return x.reshape(b, h, nc * c, x.shape[-1])
-
-    wy_transform = functools.partial(wy, interpret=interpret) if solve == "mosaic" else wy_reference
-    w, u = wy_transform(flat(lower), flat(bc * gamma_rows * kc), flat(bc * vc))
-
-    return Prepared(qg=flat(qc * scale * gamma_rows), kg=flat(kc * kdecay), w=w, u=u,
-                    aqk=flat(aqk), gamma=gamma)
+        s = _xla_gated_scores(pad(q.astype(f32)), pad(k.astype(f32)), g, scale, masks)
+    beta = jnp.swapaxes(pad(beta.astype(f32)), 1, 2)  # [B, H, Tp]: tiny, the kernels' layout
+    v = pad(v if v.dtype in (jnp.bfloat16, f32) else v.astype(f32))
+    if solve == "mosaic":
+        w, u = wy(s.akk, beta, s.xk, v, w_dtype=jnp.bfloat16, interpret=interpret)
+    else:
+        w, u = wy_reference(s.akk, beta, s.xk, v)
+    return Prepared(qg=s.qg, kg=s.kg, w=w, u=u, aqk=s.aqk, gamma=s.gamma)
 
 
 def state_pass_reference(p: Prepared, h0, chunk_size):

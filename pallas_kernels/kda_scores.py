@@ -1,12 +1,21 @@
-"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and their VJP (SPEC 3.3).
+"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and gated operands, and their VJP (SPEC 3.3).
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk), for ``r >= j`` (0 above the diagonal)::
 
     S[r, j] = sum_c a[r, c] b[j, c] exp(G[r, c] - G[j, c])
 
 with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is ``<= 0``).
-``Aqk`` is ``S`` for ``a = scale q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
-``a = b = k``; :func:`qk_kk_scores` computes both in one call and shares the decay work.
+``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
+``a = b = k``; :func:`gated_scores` computes both in one kernel and shares the decay work.
+
+Gates: the same kernel, holding ``q``, ``k`` and ``G``, writes the other per-token operands of the
+chunked form (bf16, head-major): ``Qg = scale q exp(G)``, ``Kg = k exp(G_last - G)`` and
+``Xk = k exp(G)`` (``beta`` times it is the ``X`` of the chunk inverse), and ``gamma = exp(G_last)``
+per chunk; with packed documents ``exp(G)`` and ``gamma`` are masked by ``enter`` and
+``exp(G_last - G)`` by ``leave`` (:class:`SegmentMasks`), and both score matrices by "same segment".
+The backward kernel adds these products' chain rule to the scores' gradients and writes ``dq``,
+``dk`` once, in the caller's ``[B, T, H, K]`` layout, and ``dG`` for the reverse cumsum: no fp32
+intermediate of the token-parallel part goes through HBM for XLA to combine.
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
 As in :func:`pallas_kernels.kda_prep._tree_scores`, a pair ``r > j`` belongs to exactly one level
@@ -45,14 +54,15 @@ backward; docs/benchmarks.md.)
 Exponentials use Mosaic's approximate math (``ex2.approx``, ~2 ulp in fp32, far inside the bf16
 operands' rounding): on the H200 4-7% faster per kernel.
 
-Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles
-of 64 (``K`` in {64, 128}). Inputs arrive by TMA in plain SMEM; the scaled operands of each level
-are written to swizzled bf16 SMEM tiles for WGMMA.
+Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles of 64 (``K`` in
+{64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout, ``G`` head-major,
+in plain SMEM; the scaled operands of each level are written to swizzled bf16 SMEM tiles for WGMMA.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -65,6 +75,7 @@ from pallas_kernels._mgpu import (
     COL,
     F32,
     KT,
+    ROW,
     SPLITS,
     WG,
     column_tiles,
@@ -80,7 +91,6 @@ from pallas_kernels._mgpu import (
 
 CHUNK = 64
 HEAD_DIMS = (64, 128)
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
 BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their row 16
 BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
@@ -213,42 +223,115 @@ def bounded_chunks(g_cum):
     return (span <= BOUND).astype(jnp.int32)
 
 
+# --------------------------------------------------------------------------- gates (in-kernel)
+
+
+def _rows(vec, shape):
+    """A per-row vector (``ROW`` layout) broadcast over the columns of a ``shape`` tile."""
+    return lax.broadcast_in_dim(vec, shape, (0,))
+
+
+def _cols(vec, shape):
+    """A per-column vector (``COL`` layout) broadcast over the rows of a ``shape`` tile."""
+    return lax.broadcast_in_dim(vec, shape, (1,))
+
+
+def _same_segment(masks, bi, tok):
+    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment (True without masks)."""
+    if not masks:
+        return None
+    seg_ref = masks[0]
+    return (_rows(load(seg_ref.at[bi, tok], ROW), (CHUNK, CHUNK))
+            == _cols(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
+
+
+def _gate_factors(g_tile, masks, bi, ni):
+    """One channel tile's decay factors (module docstring, "Gates"): ``(into [C, KT], to_end [C, KT],
+    gamma [KT] COL)`` = ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
+
+    g_tile: plain SMEM ``[C, KT]`` fp32; ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
+    """
+    g = load(g_tile)
+    last = load(g_tile.at[CHUNK - 1], COL)
+    into, to_end, gamma = jnp.exp(g), jnp.exp(_cols(last, (CHUNK, KT)) - g), jnp.exp(last)
+    if masks:
+        _, enter_ref, leave_ref = masks
+        tok = pl.ds(ni * CHUNK, CHUNK)
+        into = into * _rows(load(enter_ref.at[bi, tok], ROW), (CHUNK, KT))
+        to_end = to_end * _rows(load(leave_ref.at[bi, tok], ROW), (CHUNK, KT))
+        gamma = gamma * enter_ref[bi, ni * CHUNK + CHUNK - 1]
+    return into, to_end, gamma
+
+
+def _gate_products(q_tile, k_tile, factors, scale: float):
+    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``, ``k into``."""
+    into, to_end, _ = factors
+    kv = load(k_tile).astype(F32)
+    return scale * load(q_tile).astype(F32) * into, kv * to_end, kv * into
+
+
+def _gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: float):
+    """Add the cotangents of ``(Qg, Kg, Xk)`` (fp32 ``[C, KT]``) and of ``gamma`` (``[KT]`` COL) to
+    ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end`` at
+    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``."""
+    into, to_end, gamma = factors
+    dqg, dkg, dxk = d_products
+    qv, kv = load(q_tile).astype(F32), load(k_tile).astype(F32)
+    t = scale * into * dqg
+    dq, dg = dq + t, dg + qv * t
+    t = into * dxk
+    dk, dg = dk + t, dg + kv * t
+    t = to_end * dkg
+    kt = kv * t
+    dk, dg = dk + t, dg - kt
+    last = jnp.sum(kt, axis=0) + gamma * d_gamma
+    return dq, dk, jnp.where(iota((CHUNK, KT), 0) == CHUNK - 1, dg + _cols(last, (CHUNK, KT)), dg)
+
+
 # --------------------------------------------------------------------------- forward kernel
 
+_WHICH = (0, -1)  # the outputs' row operands: q (Aqk), then k itself (Akk)
 
-def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
-    """Raw forward kernel: one ``S`` per entry of ``which`` (an index into ``lhs``, or -1 for ``b``),
-    in the matching entry of ``out_dtypes``; ``flags`` is :func:`bounded_chunks` of ``g``.
+
+def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
+    """Raw forward kernel: :class:`GatedScores`' six arrays (see :func:`gated_scores`).
+
+    q, k: ``[B, Tp, H, K]`` bf16 (the caller's layout); g: ``[B, H, Tp, K]`` fp32; flags:
+    :func:`bounded_chunks` of ``g``; masks: ``()`` or ``(seg, enter, leave)`` ``[B, Tp]``.
 
     Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128),
     six exact levels: 1.64 ms; tiles outermost, which halves the scaled operands' SMEM, 1.72 ms; one
     warpgroup per output, 2.52 ms: the duplicated decay work costs more than the second warpgroup
     hides.)"""
-    nb, h, tp, dk = b.shape
-    nl, nh, chs = len(lhs), dk // KT, column_tiles(dk)
-    out_type = tuple(jax.ShapeDtypeStruct((nb, h, tp, CHUNK), dt) for dt in out_dtypes)
+    nb, tp, h, dk = q.shape
+    nh, chs = dk // KT, column_tiles(dk)
+    heads_major = lambda d, dt: jax.ShapeDtypeStruct((nb, h, tp, d), dt)  # noqa: E731
+    out_type = (heads_major(CHUNK, BF16), heads_major(CHUNK, F32), *(heads_major(dk, BF16) for _ in range(3)),
+                jax.ShapeDtypeStruct((nb, h, tp // CHUNK, dk), F32))
 
-    def body(*refs):
-        a_refs, (b_ref, g_ref, flags_ref), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
-        outs, refs = refs[:len(which)], refs[len(which):]
-        a_s, (b_s, g_s, bp_s), refs = refs[:nl], refs[nl:nl + 3], refs[nl + 3:]
-        ap_s, bar, refs = refs[:nl], refs[nl], refs[nl + 1:]
+    def body(q_ref, k_ref, g_ref, flags_ref, *refs):
+        mask_refs, refs = refs[:len(masks)], refs[len(masks):]
+        (aqk_ref, akk_ref, *product_refs, gam_ref), refs = refs[:6], refs[6:]
+        q_s, k_s, g_s, bp_s, ap_s, bar, p_s, *g_parts = refs
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
-        for src, dst in zip((*a_refs, b_ref, g_ref), (*a_s, b_s, g_s)):
-            plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
+        for src, dst in ((q_ref.at[bi, tok, hi], q_s), (k_ref.at[bi, tok, hi], k_s), (g_ref.at[bi, hi, tok], g_s)):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        lhs_s = [b_s if w < 0 else a_s[w] for w in which]
+        for ch in chs:  # the gate products, written before the levels reuse registers
+            factors = _gate_factors(g_s.at[:, ch], mask_refs, bi, ni)
+            for ref, x in zip(product_refs, _gate_products(q_s.at[:, ch], k_s.at[:, ch], factors, scale)):
+                ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
+            gam_ref.at[bi, hi, ni, ch][...] = factors[2]
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
 
         # Diagonal, exact in fp32.
         scores = []
-        for x_s in lhs_s:
-            dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(b_s.at[:, ch]).astype(F32), axis=1)
+        for x_s in (q_s, k_s):
+            dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(k_s.at[:, ch]).astype(F32), axis=1)
                       for ch in chs)
-            scores.append(jnp.where(rows == cols, lax.broadcast_in_dim(dot, (CHUNK, CHUNK), (0,)), 0.0))
-        p_s, g_parts = refs[0], refs[1:]
-        br_s = g_parts[-1]  # b times the row factor: the bounded path never splits G
+            scores.append(jnp.where(rows == cols, _rows(dot, (CHUNK, CHUNK)), 0.0))
+        br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
 
         def split_g():
             for t, ch in enumerate(chs):
@@ -258,9 +341,8 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
             row_operands = []  # [tile][output]
             for t, ch in enumerate(chs):
                 er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s, [part.at[t] for part in g_parts])
-                row_operands.append(_scaled_operands(kind, which, er, ec, [a.at[:, ch] for a in a_s],
-                                                     b_s.at[:, ch], bp_s.at[t], br_s.at[t],
-                                                     [x.at[t] for x in ap_s]))
+                row_operands.append(_scaled_operands(kind, _WHICH, er, ec, [q_s.at[:, ch]], k_s.at[:, ch],
+                                                     bp_s.at[t], br_s.at[t], [ap_s.at[t]]))
             plgpu.commit_smem()
             keep = _pairs(lg, kind == BOUNDED)
             return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(row_operands[t][o], bp_s.at[t].T)
@@ -268,49 +350,53 @@ def _fwd_call(lhs, b, g, flags, *, which, out_dtypes, interpret):
                          for o, sc in enumerate(scores))
 
         def store(scores):
-            for out, sc, dt in zip(outs, scores, out_dtypes):
-                out.at[bi, hi, tok][...] = sc.astype(dt)
+            same = _same_segment(mask_refs, bi, tok)
+            for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
+                sc = sc * factor if factor != 1.0 else sc
+                out.at[bi, hi, tok][...] = (sc if same is None else jnp.where(same, sc, 0.0)).astype(out.dtype)
 
         _by_chunk_kind(flags_ref, level, tuple(scores), store, split_g)
 
     scratch = (
-        *(plgpu.SMEM((CHUNK, dk), BF16) for _ in range(nl)),  # a (plain)
-        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # b, G (plain)
-        tiles((nh, CHUNK, KT)),  # b times the column factor, per channel tile
-        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a times the row factor
-        plgpu.Barrier(num_arrivals=nl + 2),
+        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # q, k, G
+        tiles((nh, CHUNK, KT)),  # k times the column factor, per channel tile
+        tiles((nh, CHUNK, KT)),  # q times the row factor
+        plgpu.Barrier(num_arrivals=3),
         tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_fwd", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(*lhs, b, g, flags)
+    return run(q, k, g, flags, *masks)
 
 
 # --------------------------------------------------------------------------- backward kernel
 
 
-def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
-    """Raw backward kernel: ``(da per lhs, db, dg)``, fp32 ``[B, H, Tp, K]``; ``dss`` one per ``which``;
-    ``flags`` is :func:`bounded_chunks` of ``g``.
+def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, interpret):
+    """Raw backward kernel: ``(dq, dk)`` ``[B, Tp, H, K]`` in q's and k's dtypes and ``dG``
+    ``[B, H, Tp, K]`` fp32, from the cotangents of the six forward outputs (``d_products``: those of
+    ``Qg, Kg, Xk``). Inputs as in :func:`_fwd_call`.
 
-    ``db`` includes the gradients of the ``b``-as-lhs outputs (``which == -1``). One warpgroup per
-    channel tile (two at K = 128): the tiles are independent given ``dS``, and the kernel is bound by
-    the latency of its dependent WGMMA / exp steps, which a second warpgroup on the SM hides (with
-    one warpgroup, its 160 KB of SMEM left room for one CTA per SM; H200: 2.77 -> 2.22 ms at
-    (8, 4096, 16, 128), six exact levels).
+    One warpgroup per channel tile (two at K = 128): the tiles are independent given ``dS``, and the
+    kernel is bound by the latency of its dependent WGMMA / exp steps, which a second warpgroup on the
+    SM hides (with one warpgroup, its 160 KB of SMEM left room for one CTA per SM; H200: 2.77 -> 2.22
+    ms at (8, 4096, 16, 128), six exact levels).
     """
-    nb, h, tp, dk = b.shape
-    nl, no, nh = len(lhs), len(which), dk // KT
-    sds = jax.ShapeDtypeStruct((nb, h, tp, dk), F32)
-    out_type = tuple(sds for _ in range(nl + 2))
+    nb, tp, h, dk = q.shape
+    no, nh = len(_WHICH), dk // KT
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(g.shape, F32))
+    dss = (daqk, dakk)
+    ds_scale = (scale, 1.0)  # Aqk carries the attention scale
 
-    def body(*refs):
-        a_refs, (b_ref, g_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
-        ds_refs, (flags_ref,), refs = refs[:no], refs[no:no + 1], refs[no + 1:]
-        da_refs, (db_ref, dg_ref), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
-        a_all, (b_all, g_all), refs = refs[:nl], refs[nl:nl + 2], refs[nl + 2:]
+    def body(q_ref, k_ref, g_ref, *refs):
+        ds_refs, refs = refs[:no], refs[no:]
+        dprod_refs, (dgam_ref, flags_ref), refs = refs[:3], refs[3:5], refs[5:]
+        mask_refs, refs = refs[:len(masks)], refs[len(masks):]
+        (dq_ref, dk_ref, dg_ref), refs = refs[:3], refs[3:]
+        q_all, k_all, g_all, *refs = refs
         ds_s, refs = refs[:no], refs[no:]
-        bp_all, ap_all, refs = refs[0], refs[1:1 + nl], refs[1 + nl:]
+        bp_all, ap_all, refs = refs[0], refs[1], refs[2:]
         dsl_all, (p_all, *parts_all, bar, done) = refs[:no], refs[no:]
         bi, hi, ni, wg = (lax.axis_index(n) for n in ("b", "h", "n", "wg"))
         tok = pl.ds(ni * CHUNK, CHUNK)
@@ -318,54 +404,55 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
         @pl.when(wg == 0)
         def _():
             for t, ch in enumerate(column_tiles(dk)):  # each channel tile to its own buffer
-                for src, dst in zip((*a_refs, b_ref, g_ref), (*a_all, b_all, g_all)):
-                    plgpu.copy_gmem_to_smem(src.at[bi, hi, tok, ch], dst.at[t], bar)
+                for src, dst in ((q_ref.at[bi, tok, hi, ch], q_all), (k_ref.at[bi, tok, hi, ch], k_all),
+                                 (g_ref.at[bi, hi, tok, ch], g_all)):
+                    plgpu.copy_gmem_to_smem(src, dst.at[t], bar)
             for src, dst in zip(ds_refs, ds_s):
                 plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
 
         plgpu.barrier_wait(bar)
         # This warpgroup's channel tile and its own operand buffers.
-        a_s, b_s, g_s = [x.at[wg] for x in a_all], b_all.at[wg], g_all.at[wg]
-        bp_s, ap_s, dsl_s = bp_all.at[wg], [x.at[wg] for x in ap_all], [x.at[wg] for x in dsl_all]
+        q_s, k_s, g_s = q_all.at[wg], k_all.at[wg], g_all.at[wg]
+        bp_s, ap_s, dsl_s = bp_all.at[wg], ap_all.at[wg], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
-        br_s = g_parts[-1]  # b times the row factor: the bounded path never splits G
+        br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
+        same = _same_segment(mask_refs, bi, tok)
+
+        def masked_ds(o, keep):
+            ds = load(ds_s[o]).astype(F32)
+            ds = ds * ds_scale[o] if ds_scale[o] != 1.0 else ds
+            return jnp.where(keep if same is None else keep & same, ds, 0.0)
 
         def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
             er, ec = _level_decays(kind, lg, g_s, p_s, g_parts)
-            lhs_p = _scaled_operands(kind, which, er, ec, a_s, b_s, bp_s, br_s, ap_s)
+            lhs_p = _scaled_operands(kind, _WHICH, er, ec, [q_s], k_s, bp_s, br_s, [ap_s])
             keep = _pairs(lg, kind == BOUNDED)
             for o in range(no):
-                dsl_s[o][...] = jnp.where(keep, load(ds_s[o]).astype(F32), 0.0).astype(BF16)
+                dsl_s[o][...] = masked_ds(o, keep).astype(BF16)
             plgpu.commit_smem()
             da = tuple(d + er * matmul((CHUNK, KT), (dsl_s[o], bp_s)) for o, d in enumerate(da))
             db = db + ec * matmul((CHUNK, KT), *[(dsl_s[o].T, lhs_p[o]) for o in range(no)])
             return da, db
 
         def finish(carry):
-            da, db = carry
-            da = list(da)
+            (dq, dk_row), db = carry
             ch = pl.ds(wg * KT, KT)
-            bvals = load(b_s).astype(F32)
-            avals = [bvals if w < 0 else load(a_s[w]).astype(F32) for w in which]
-            dg = -bvals * db
-            for o in range(no):
-                dg = dg + avals[o] * da[o]
-            dg_ref.at[bi, hi, tok, ch][...] = dg
-            # Diagonal (no decay): dS[r, r] b_r and dS[r, r] a_r.
+            qv, kv = load(q_s).astype(F32), load(k_s).astype(F32)
+            dg = qv * dq + kv * dk_row - kv * db
+            # Diagonal (no decay): dS[r, r] k_r and dS[r, r] q_r (or k_r).
             diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-            for o in range(no):
-                w = jnp.sum(jnp.where(diag, load(ds_s[o]).astype(F32), 0.0), axis=1)
-                w = lax.broadcast_in_dim(w, (CHUNK, KT), (0,))
-                da[o] = da[o] + w * bvals
-                db = db + w * avals[o]
-            for o, wo in enumerate(which):
-                if wo < 0:
-                    db = db + da[o]
-                else:
-                    da_refs[wo].at[bi, hi, tok, ch][...] = da[o]
-            db_ref.at[bi, hi, tok, ch][...] = db
+            w_qk, w_kk = (_rows(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
+            dq = dq + w_qk * kv
+            dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
+            factors = _gate_factors(g_s, mask_refs, bi, ni)
+            d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
+            dq, dk, dg = _gate_chain(dq, dk, dg, q_s, k_s, factors, d_products,
+                                     load(dgam_ref.at[bi, hi, ni, ch], COL), scale)
+            dq_ref.at[bi, tok, hi, ch][...] = dq.astype(dq_ref.dtype)
+            dk_ref.at[bi, tok, hi, ch][...] = dk.astype(dk_ref.dtype)
+            dg_ref.at[bi, hi, tok, ch][...] = dg
             finish_together(done)
 
         _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish,
@@ -373,103 +460,116 @@ def _bwd_call(lhs, b, g, dss, flags, *, which, interpret):
 
     per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (
-        *(per_tile(BF16) for _ in range(nl)), per_tile(BF16), per_tile(F32),  # a, b, G (plain)
+        per_tile(BF16), per_tile(BF16), per_tile(F32),  # q, k, G (plain)
         *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
-        tiles((nh, CHUNK, KT)),  # b times the column factor, one per warpgroup
-        *(tiles((nh, CHUNK, KT)) for _ in range(nl)),  # a times the row factor
+        tiles((nh, CHUNK, KT)),  # k times the column factor, one per warpgroup
+        tiles((nh, CHUNK, KT)),  # q times the row factor
         *(tiles((nh, CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
         tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
-        plgpu.Barrier(num_arrivals=(nl + 2) * nh + no),
+        plgpu.Barrier(num_arrivals=3 * nh + no),
         plgpu.Barrier(num_arrivals=nh),
     )
     run = kernel(body, "kda_scores_bwd", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), num_threads=nh,
                  thread_name="wg", scratch_types=scratch)
-    return run(*lhs, b, g, *dss, flags)
+    return run(q, k, g, *dss, *d_products, d_gamma, flags, *masks)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("which", "out_dtypes"))
-_bwd_jit = shared_lowering(_bwd_call, ("which",))
+_fwd_jit = shared_lowering(_fwd_call, ("scale",))
+_bwd_jit = shared_lowering(_bwd_call, ("scale",))
 
 
 # --------------------------------------------------------------------------- differentiable op
 
 
-def _bf16(x):
-    return x.astype(BF16)
+class SegmentMasks(NamedTuple):
+    """Packed documents, per token ``[B, Tp]`` (shared by the heads; see ``kda_prep``): ``seg`` int32
+    (a segment counter: equal within a segment), ``enter`` / ``leave`` fp32 0/1 (the state entering
+    the chunk reaches the row / the row's key reaches the state leaving the chunk)."""
+
+    seg: jax.Array
+    enter: jax.Array
+    leave: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _scores(lhs, b, g, which, out_dtypes, interpret):
-    return _scores_fwd(lhs, b, g, which, out_dtypes, interpret)[0]
+class GatedScores(NamedTuple):
+    """What the state kernels and the chunk inverse need, head-major (see :func:`gated_scores`)."""
+
+    aqk: jax.Array  # [B, H, Tp, C] bf16
+    akk: jax.Array  # [B, H, Tp, C] fp32
+    qg: jax.Array  # [B, H, Tp, K] bf16
+    kg: jax.Array  # [B, H, Tp, K] bf16
+    xk: jax.Array  # [B, H, Tp, K] bf16
+    gamma: jax.Array  # [B, H, NC, K] fp32
 
 
-def _scores_fwd(lhs, b, g, which, out_dtypes, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gated(q, k, g, masks, scale, interpret):
+    return _gated_fwd(q, k, g, masks, scale, interpret)[0]
+
+
+def _gated_fwd(q, k, g, masks, scale, interpret):
     flags = bounded_chunks(g)
-    out = _fwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), flags, which=which,
-                   out_dtypes=out_dtypes, interpret=interpret)
-    return out, (lhs, b, g, flags)
+    out = GatedScores(*_fwd_jit(q, k, g, flags, tuple(masks), scale=scale, interpret=interpret))
+    return out, (q, k, g, masks, flags)
 
 
-def _scores_bwd(which, out_dtypes, interpret, res, dss):
-    lhs, b, g, flags = res
-    *da, db, dg = _bwd_jit(tuple(map(_bf16, lhs)), _bf16(b), g.astype(F32), tuple(dss), flags,
-                           which=which, interpret=interpret)
-    return (tuple(d.astype(x.dtype) for d, x in zip(da, lhs)), db.astype(b.dtype), dg.astype(g.dtype))
+def _gated_bwd(scale, interpret, res, cts):
+    q, k, g, masks, flags = res
+    dq, dk, dg = _bwd_jit(q, k, g, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma, flags, tuple(masks),
+                          scale=scale, interpret=interpret)
+    return dq, dk, dg, None if masks == () else type(masks)(None, None, None)
 
 
-_scores.defvjp(_scores_fwd, _scores_bwd)
+_gated.defvjp(_gated_fwd, _gated_bwd)
 
 
-def _check(name: str, b, g, lhs, out_dtypes):
-    shape = b.shape
-    if len(shape) != 4 or shape[2] % CHUNK or shape[3] not in HEAD_DIMS:
-        raise ValueError(f"{name}: b (or k) must be [B, H, Tp, K] with Tp a multiple of {CHUNK} and K in "
+def _check(q, k, g_cum, masks):
+    shape = q.shape
+    if len(shape) != 4 or shape[1] % CHUNK or shape[3] not in HEAD_DIMS:
+        raise ValueError(f"gated_scores: q must be [B, Tp, H, K] with Tp a multiple of {CHUNK} and K in "
                          f"{HEAD_DIMS}, got {shape}")
-    for arg, x in (("g_cum", g), *((f"lhs {i}", a) for i, a in enumerate(lhs))):
-        if x.shape != shape:
-            raise ValueError(f"{name}: {arg} must have b's shape {shape}, got {x.shape}")
-    for arg, x in (("b", b), ("g_cum", g), *((f"lhs {i}", a) for i, a in enumerate(lhs))):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name}: {arg} must be floating point, got {x.dtype}")
-    for dt in out_dtypes:
-        if jnp.dtype(dt) not in OUT_DTYPES:
-            raise ValueError(f"{name}: out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {dt}")
+    if k.shape != shape:
+        raise ValueError(f"gated_scores: k must have q's shape {shape}, got {k.shape}")
+    heads_major = (shape[0], shape[2], shape[1], shape[3])
+    if g_cum.shape != heads_major:
+        raise ValueError(f"gated_scores: g_cum must be [B, H, Tp, K] = {heads_major}, got {g_cum.shape}")
+    for name, x in (("q", q), ("k", k)):
+        if x.dtype != BF16:
+            raise ValueError(f"gated_scores: {name} must be bfloat16 (the tensor cores' operands), got {x.dtype}")
+    if g_cum.dtype != F32:
+        raise ValueError(f"gated_scores: g_cum must be float32, got {g_cum.dtype}")
+    for name, x in zip(SegmentMasks._fields, masks or ()):
+        if x.shape != shape[:2]:
+            raise ValueError(f"gated_scores: masks.{name} must be [B, Tp] = {shape[:2]}, got {x.shape}")
 
 
-def scores(a, b, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
-    """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` in each chunk of 64 rows, else 0.
+def gated_scores(q, k, g_cum, *, scale: float, masks: SegmentMasks | None = None,
+                 interpret: bool = False) -> GatedScores:
+    """KDA's intra-chunk scores and gated operands per chunk of 64 tokens (module docstring).
 
     Args:
-      a, b: ``[B, H, Tp, K]`` (``Tp`` a multiple of 64, ``K`` in {64, 128}); rounded to bf16 for the
-        tensor cores (pass bf16-representable values for exact operands).
-      g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay (non-increasing within a chunk), fp32.
-      out_dtype: fp32 or bf16.
+      q, k: ``[B, Tp, H, K]`` bf16, the caller's layout (``Tp`` a multiple of 64, ``K`` in {64, 128}).
+      g_cum: ``[B, H, Tp, K]`` fp32 chunk-local cumulative log-decay (non-increasing within a chunk).
+      scale: the attention scale (multiplies ``Aqk`` and ``Qg``).
+      masks: packed documents (:class:`SegmentMasks`), or None.
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
-    Returns:
-      ``[B, H, Tp, 64]`` (row ``t`` holds chunk-local row ``t mod 64``). Differentiable in ``a, b,
-      g_cum`` (backward: a Mosaic GPU kernel); cotangents come back in the inputs' dtypes.
+    Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with the
+    diagonal ``|k_r|^2``), both zero across a segment start; ``qg = scale q exp(G) enter``,
+    ``kg = k exp(G_last - G) leave``, ``xk = k exp(G) enter`` (bf16) and ``gamma = exp(G_last)
+    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g_cum`` (Mosaic backward kernel).
     """
-    _check("scores", b, g_cum, (a,), (out_dtype,))
-    (s,) = _scores((a,), b, g_cum, (0,), (jnp.dtype(out_dtype),), interpret)
-    return s
+    _check(q, k, g_cum, masks)
+    return _gated(q, k, g_cum, masks if masks is not None else (), float(scale), interpret)
 
 
-def qk_kk_scores(q, k, g_cum, *, out_dtype=jnp.float32, interpret: bool = False):
-    """``(scores(q, k, g_cum), scores(k, k, g_cum))`` in one kernel call (shared decays and loads).
-
-    ``q`` should already carry the attention scale. Shapes and dtypes as in :func:`scores`, except
-    that ``out_dtype`` may be a pair: ``Aqk``'s dtype and ``Akk``'s. The second result includes the
-    diagonal ``|k_r|^2`` (KDA's ``L`` uses only its strict lower part).
-    """
-    pair = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype, out_dtype)
-    _check("qk_kk_scores", k, g_cum, (q,), pair)
-    return _scores((q,), k, g_cum, (0, -1), tuple(map(jnp.dtype, pair)), interpret)
+# --------------------------------------------------------------------------- references
 
 
 def scores_reference(a, b, g_cum):
-    """Plain fp32 reference of :func:`scores` (pairwise, ``[.., C, C, K]`` decays; small inputs only)."""
+    """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` per chunk of 64 rows, else 0;
+    plain fp32, pairwise ``[.., C, C, K]`` decays (small inputs only). a, b, g_cum: ``[B, H, Tp, K]``."""
     nb, h, tp, dk = b.shape
     shp = (nb, h, tp // CHUNK, CHUNK, dk)
     a, b, g = (x.astype(F32).reshape(shp) for x in (a, b, g_cum))
@@ -479,4 +579,38 @@ def scores_reference(a, b, g_cum):
     return jnp.where(lower, s, 0.0).reshape(nb, h, tp, CHUNK)
 
 
-__all__ = ["scores", "qk_kk_scores", "scores_reference", "bounded_chunks", "CHUNK", "HEAD_DIMS"]
+def gate_products(q, k, g_cum, scale: float, masks: SegmentMasks | None):
+    """Plain fp32 ``(Qg, Kg, Xk [B, H, Tp, K], gamma [B, H, NC, K])`` (see :func:`gated_scores`);
+    q, k head-major ``[B, H, Tp, K]``."""
+    nb, h, tp, dk = q.shape
+    shp = (nb, h, tp // CHUNK, CHUNK, dk)
+    q, k, g = (x.astype(F32).reshape(shp) for x in (q, k, g_cum))
+    last = g[..., -1:, :]
+    into, to_end, gamma = jnp.exp(g), jnp.exp(last - g), jnp.exp(last[..., 0, :])
+    if masks is not None:
+        chunked = lambda x: x.astype(F32).reshape(nb, 1, tp // CHUNK, CHUNK, 1)  # noqa: E731
+        into, to_end = into * chunked(masks.enter), to_end * chunked(masks.leave)
+        gamma = gamma * chunked(masks.enter)[..., -1, :]
+    flat = lambda x: x.reshape(nb, h, tp, dk)  # noqa: E731
+    return flat(scale * q * into), flat(k * to_end), flat(k * into), gamma
+
+
+def same_segment_reference(masks: SegmentMasks | None, shape):
+    """``[B, 1, Tp, C]`` fp32 0/1: rows ``r`` and ``j`` of a chunk in one segment (ones without masks)."""
+    nb, _, tp, _ = shape
+    if masks is None:
+        return jnp.ones((nb, 1, tp, CHUNK), F32)
+    seg = masks.seg.reshape(nb, tp // CHUNK, CHUNK)
+    return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
+
+
+def gated_scores_reference(q, k, g_cum, *, scale: float, masks: SegmentMasks | None = None) -> GatedScores:
+    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k ``[B, Tp, H, K]``."""
+    qh, kh = (jnp.swapaxes(x.astype(F32), 1, 2) for x in (q, k))
+    same = same_segment_reference(masks, qh.shape)
+    return GatedScores(scale * scores_reference(qh, kh, g_cum) * same, scores_reference(kh, kh, g_cum) * same,
+                       *gate_products(qh, kh, g_cum, scale, masks))
+
+
+__all__ = ["gated_scores", "gated_scores_reference", "gate_products", "scores_reference",
+           "same_segment_reference", "bounded_chunks", "GatedScores", "SegmentMasks", "CHUNK", "HEAD_DIMS"]

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh kda              # any kind, GPU 0: scores kernels' tests, parts, peers
 #   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, parts, profile
 #   bash scripts/gpu_session.sh kda_peers        # any kind, GPU 0: all four shapes, ours vs jla, fla
+#   bash scripts/gpu_session.sh kda_dev          # any kind, GPU 0: all KDA GPU tests, ours at 4 shapes
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
@@ -63,6 +64,18 @@ kda_peers() {  # one GPU: all four shapes, ours and jla in one process, then fla
   part kda_fla 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
     --shapes 1,8192,16,128 --out "$OUT/kda.jsonl"
 }
+kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes with a profile, kernel registers
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  part kda_ours 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas \
+    --shapes 8,4096,16,128 1,8192,16,128 2,8192,64,128 1,32768,16,128 --profile /tmp/prof \
+    --out "$OUT/kda.jsonl"
+  ours_profile
+  part kda_scores_parts 80 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
+    benchmarks/kda_scores.py --variants kernels --out "$OUT/kda_scores.jsonl"
+  grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
+  grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
+}
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
     tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py
@@ -97,8 +110,10 @@ kda_full)
   peers; kda_full ;;
 kda_peers)
   peers; kda_peers ;;
+kda_dev)
+  kda_dev ;;
 *)
-  echo "usage: gpu_session.sh kda | kda_full | kda_peers | two | one CORPUS_DIR" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | kda_full | kda_peers | kda_dev | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
 # One archive: the device tool brings back only a few files per call.
 tar -czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz"

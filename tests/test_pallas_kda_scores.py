@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bf16_rounded, kda_bf16_case
+from helpers import kda_bf16_case
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import kda_scores
-from pallas_kernels.kda_prep import prepare
-from pallas_kernels.kda_scores import qk_kk_scores, scores, scores_reference
+from pallas_kernels.kda_prep import prepare, segment_masks
+from pallas_kernels.kda_scores import SegmentMasks, gated_scores, gated_scores_reference
 
 C = 64
 
@@ -26,14 +26,15 @@ def _gate(f, gate):
 
 
 def _inputs(seed, b, h, tp, dk, gate):
-    """bf16-grid ``a, b`` (unit rows, like KDA's normalised q, k), chunk-local cumulative gates.
-    ``gate="mixed"``: the lower-bound gate, except head 0's second chunk (softplus) and head 1's
-    second chunk (-4.9 at every token: 78 nats from a 32-row block's middle row to its first, at
-    the edge of the bounded path, where a factor anchored anywhere else would overflow)."""
+    """bf16 ``q, k`` ``[B, Tp, H, K]`` (unit rows, like KDA's normalised q, k), chunk-local cumulative
+    gates ``[B, H, Tp, K]``. ``gate="mixed"``: the lower-bound gate, except head 0's second chunk
+    (softplus) and head 1's second chunk (-4.9 at every token: 78 nats from a 32-row block's middle
+    row to its first, at the edge of the bounded path, where a factor anchored anywhere else would
+    overflow)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    a = bf16_rounded(unit(jax.random.normal(ks[0], (b, h, tp, dk))))
-    bb = bf16_rounded(unit(jax.random.normal(ks[1], (b, h, tp, dk))))
+    q = unit(jax.random.normal(ks[0], (b, tp, h, dk))).astype(jnp.bfloat16)
+    k = unit(jax.random.normal(ks[1], (b, tp, h, dk))).astype(jnp.bfloat16)
     f = jax.random.normal(ks[2], (b, h, tp, dk))
     if gate == "mixed":
         g = _gate(f, "lower_bound").at[:, 0, C:2 * C].set(_gate(f[:, 0, C:2 * C], "softplus"))
@@ -41,12 +42,34 @@ def _inputs(seed, b, h, tp, dk, gate):
     else:
         g = _gate(f, gate)
     g_cum = jnp.cumsum(g.reshape(b, h, tp // C, C, dk), axis=-2).reshape(b, h, tp, dk)
-    return a, bb, g, g_cum
+    return q, k, g, g_cum
 
 
-def _cotangents(seed, shape, n):
-    """Random cotangents, nonzero above the diagonal too (the kernel must ignore those)."""
-    return tuple(jax.random.normal(k, shape) for k in jax.random.split(jax.random.PRNGKey(seed), n))
+def _masks(seed, b, tp):
+    """Segment masks of random packed documents (a start every ~20 tokens), as ``prepare`` makes them."""
+    seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(seed), 0.05, (b, tp)), axis=1)
+    return segment_masks(seg, C)
+
+
+def _check_gated(q, k, g_cum, masks, seed):
+    """Every output of the kernel pair and the gradients of q, k, g_cum against the fp32 reference
+    on the same (bf16-grid) values, one random cotangent per output."""
+    scale = q.shape[-1] ** -0.5
+    ker = lambda q, k, g: gated_scores(q, k, g, scale=scale, masks=masks, interpret=True)  # noqa: E731
+    ref = lambda q, k, g: gated_scores_reference(q, k, g, scale=scale, masks=masks)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    r, ref_vjp = jax.vjp(ref, f32(q), f32(k), g_cum)
+    out, ker_vjp = jax.vjp(ker, q, k, g_cum)
+    for name, x, y in zip(r._fields, r, out):
+        assert x.shape == y.shape, (name, x.shape, y.shape)
+        assert rel_rms(x, y) <= BF16_OUT_TOL, (name, rel_rms(x, y))
+    assert out.aqk.dtype == jnp.bfloat16 and out.akk.dtype == jnp.float32 and out.qg.dtype == jnp.bfloat16
+    upper = np.triu(np.ones((C, C), bool), 1)
+    assert np.all(np.asarray(out.aqk, np.float32).reshape(-1, C, C)[:, upper] == 0.0)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(out))
+    # Nonzero above the diagonal too (the kernel must ignore those), in each output's dtype.
+    cts = type(out)(*(jax.random.normal(key, y.shape).astype(y.dtype) for key, y in zip(keys, out)))
+    _check_grads(ref_vjp(type(r)(*map(f32, cts))), ker_vjp(cts), ("q", "k", "g_cum"))
 
 
 def _check_grads(ref_grads, ker_grads, names):
@@ -55,39 +78,24 @@ def _check_grads(ref_grads, ker_grads, names):
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-def test_qk_kk_scores_values_and_gradients():
-    """Aqk and Akk from one call (K = 64, two heads, two chunks): K3's lower-bound gate (the bounded
-    path) in three chunks, a softplus gate past exp's fp32 range (the exact levels) in the fourth."""
+def test_gated_scores_mixed_chunks_with_segments():
+    """K = 64, two heads, two chunks: K3's lower-bound gate (the bounded path) in three chunks, a
+    softplus gate past exp's fp32 range (the exact levels) in the fourth; packed documents."""
     q, k, _, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
     np.testing.assert_array_equal(kda_scores.bounded_chunks(g_cum), [[[1, 0], [1, 1]]])
-    q = q * 0.125
-    ker = lambda q, k, g: qk_kk_scores(q, k, g, interpret=True)  # noqa: E731
-    ref = lambda q, k, g: (scores_reference(q, k, g), scores_reference(k, k, g))  # noqa: E731
-    (rqk, rkk), ref_vjp = jax.vjp(ref, q, k, g_cum)
-    (aqk, akk), ker_vjp = jax.vjp(ker, q, k, g_cum)
-    assert aqk.dtype == jnp.float32 and aqk.shape == rqk.shape == akk.shape
-    assert rel_rms(rqk, aqk) <= BF16_OUT_TOL and rel_rms(rkk, akk) <= BF16_OUT_TOL
-    upper = np.triu(np.ones((C, C), bool), 1)
-    assert np.all(np.asarray(aqk).reshape(-1, C, C)[:, upper] == 0.0)
-    cts = _cotangents(1, rqk.shape, 2)
-    _check_grads(ref_vjp(cts), ker_vjp(cts), ("q", "k", "g_cum"))
+    masks = _masks(5, 1, 2 * C)
+    assert 0 < float(jnp.mean(masks.enter)) < 1 and 0 < float(jnp.mean(masks.leave)) < 1
+    _check_gated(q, k, g_cum, masks, seed=1)
 
 
-def test_scores_softplus_gate_past_fp32_exp_range_k128():
-    """a != b, K = 128, a softplus gate whose 16-token decay passes exp's fp32 range (-88 nats):
-    a split ``exp(G_r) exp(-G_j)`` over a 16-row block would overflow. Values (fp32 and bf16 out)
-    and the gradients of a, b, g_cum."""
-    a, b, g, g_cum = _inputs(2, 1, 1, C, 128, "softplus")
+def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
+    """K = 128, two batch rows (the caller's layout indexed by batch and head), a softplus gate
+    whose 16-token decay passes exp's fp32 range (-88 nats): a split ``exp(G_r) exp(-G_j)`` over a
+    16-row block would overflow."""
+    q, k, g, g_cum = _inputs(2, 2, 1, C, 128, "softplus")
     assert float(jnp.min(jnp.sum(g[:, :, :16], axis=2))) < -88.0  # the overflow regime is exercised
     assert not kda_scores.bounded_chunks(g_cum).any()  # so the exact levels run
-    ker = lambda a, b, g: scores(a, b, g, interpret=True)  # noqa: E731
-    r, ref_vjp = jax.vjp(scores_reference, a, b, g_cum)
-    s, ker_vjp = jax.vjp(ker, a, b, g_cum)
-    assert rel_rms(r, s) <= BF16_OUT_TOL
-    s16 = scores(a, b, g_cum, out_dtype=jnp.bfloat16, interpret=True)
-    assert s16.dtype == jnp.bfloat16 and rel_rms(r, s16) <= BF16_OUT_TOL
-    (ct,) = _cotangents(3, r.shape, 1)
-    _check_grads(ref_vjp(ct), ker_vjp(ct), ("a", "b", "g_cum"))
+    _check_gated(q, k, g_cum, None, seed=3)
 
 
 def test_prepare_mosaic_scores_match_xla():
@@ -117,31 +125,34 @@ def test_prepare_mosaic_scores_match_xla():
 
 @pytest.mark.parametrize("dk", [64, 128])
 def test_kernels_lower_for_cuda(dk):
-    """Both kernels pass Mosaic GPU's lowering (layouts, WGMMA operand tiling) for an sm_90 target;
-    the interpreter alone would accept layouts that do not lower."""
-    bf, f32 = (jax.ShapeDtypeStruct((1, 2, 2 * C, dk), d) for d in (jnp.bfloat16, jnp.float32))
-    ds = jax.ShapeDtypeStruct((1, 2, 2 * C, C), jnp.float32)
-    flags = jax.ShapeDtypeStruct((1, 2, 2), jnp.int32)
-    fwd = jax.jit(kda_scores._fwd_call, static_argnames=("which", "out_dtypes", "interpret"))
-    bwd = jax.jit(kda_scores._bwd_call, static_argnames=("which", "interpret"))
-    for which in ((0, -1), (0,)):
-        fwd.trace((bf,), bf, f32, flags, which=which, out_dtypes=(jnp.dtype(jnp.float32),) * len(which),
-                  interpret=False).lower(lowering_platforms=("cuda",))
-        bwd.trace((bf,), bf, f32, (ds,) * len(which), flags, which=which,
-                  interpret=False).lower(lowering_platforms=("cuda",))
+    """Both kernels (with and without segment masks) pass Mosaic GPU's lowering (layouts, WGMMA
+    operand tiling) for an sm_90 target; the interpreter alone would accept layouts that do not lower."""
+    bf = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((2, 2, 2 * C, dk), jnp.float32)
+    tok = lambda dt: jax.ShapeDtypeStruct((2, 2 * C), dt)  # noqa: E731
+    for masks in (None, SegmentMasks(tok(jnp.int32), tok(jnp.float32), tok(jnp.float32))):
+        def fwd_bwd(q, k, g, masks):
+            out, vjp = jax.vjp(lambda q, k, g: gated_scores(q, k, g, scale=0.1, masks=masks), q, k, g)
+            return vjp(out)
+        jax.jit(fwd_bwd).trace(bf, bf, g, masks).lower(lowering_platforms=("cuda",))
 
 
 def test_bad_inputs_raise():
     x = jnp.zeros((1, 1, C, 64), jnp.float32)
     with pytest.raises(ValueError, match="scores must be one of"):
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=C, scores="pallas")
-    with pytest.raises(ValueError, match="chunk_size=64"):
+    with pytest.raises(ValueError, match="chunk_size must be 64"):
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32, scores="mosaic")
+    q = jnp.zeros((1, C, 1, 64), jnp.bfloat16)
+    g = jnp.zeros((1, 1, C, 64), jnp.float32)
     with pytest.raises(ValueError, match="K in"):
-        scores(x[..., :32], x[..., :32], x[..., :32])
+        gated_scores(q[..., :32], q[..., :32], g[..., :32], scale=1.0)
     with pytest.raises(ValueError, match="multiple of 64"):
-        scores(x[:, :, :40], x[:, :, :40], x[:, :, :40])
-    with pytest.raises(ValueError, match="g_cum must have"):
-        qk_kk_scores(x, x, x[:, :, :, :1])
-    with pytest.raises(ValueError, match="out_dtype"):
-        scores(x, x, x, out_dtype=jnp.float16)
+        gated_scores(q[:, :40], q[:, :40], g[:, :, :40], scale=1.0)
+    with pytest.raises(ValueError, match="g_cum must be"):
+        gated_scores(q, q, g[..., :1], scale=1.0)
+    with pytest.raises(ValueError, match="q must be bfloat16"):
+        gated_scores(q.astype(jnp.float32), q, g, scale=1.0)
+    with pytest.raises(ValueError, match="masks.enter must be"):
+        gated_scores(q, q, g, scale=1.0, masks=SegmentMasks(jnp.zeros((1, C), jnp.int32), jnp.zeros((1, 3)),
+                                                            jnp.zeros((1, C))))
