@@ -49,15 +49,23 @@ def load(ref, layout=WG) -> jax.Array:
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def products(*specs) -> tuple[jax.Array, ...]:
+    """Independent tensor-core products, issued back to back and waited for once (the latency of
+    one round, not of each): every spec ``(shape, (a, b), ...)`` gives ``sum(a @ b)`` in an fp32
+    accumulator of ``shape`` (SMEM operands), returned in order."""
+
+    def scoped(*accs):
+        for acc, (_, *pairs) in zip(accs, specs):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)  # the first read waits for every product
+
+    return pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, *_ in specs))
+
+
 def matmul(shape: tuple[int, int], *pairs) -> jax.Array:
     """``sum(a @ b for a, b in pairs)`` on the tensor cores, fp32 accumulator (SMEM operands)."""
-
-    def scoped(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(scoped, plgpu.ACC(shape, F32))
+    return products((shape, *pairs))[0]
 
 
 def copy_all(srcs, slots, slot, barrier) -> None:

@@ -270,10 +270,23 @@ def _gate_products(q_tile, k_tile, factors, scale: float):
     return scale * load(q_tile).astype(F32) * into, kv * to_end, kv * into
 
 
-def _gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: float):
+def _last_row_sums(x, sel_s, parts):
+    """``[C, KT]`` fp32: the column sums of ``x`` (fp32 ``[C, KT]``) in the chunk's last row, zeros
+    elsewhere, as ``Sel x`` on the tensor cores (``Sel``: ones in its last row; ``x`` in two bf16
+    parts, ~16 bits). A sum over rows spans the warpgroup's four warps: Mosaic lowers ``jnp.sum``
+    over axis 0 through one SMEM scratch per kernel, which two warpgroups would share (on the H200
+    it corrupted ``dG`` at K = 128)."""
+    sel_s[...] = jnp.where(iota((CHUNK, CHUNK), 0) == CHUNK - 1, 1.0, 0.0).astype(BF16)
+    store_split(x, parts)
+    plgpu.commit_smem()
+    return matmul((CHUNK, KT), *[(sel_s, part) for part in parts])
+
+
+def _gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: float, scratch):
     """Add the cotangents of ``(Qg, Kg, Xk)`` (fp32 ``[C, KT]``) and of ``gamma`` (``[KT]`` COL) to
     ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end`` at
-    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``."""
+    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``scratch``: a bf16 ``[C, C]``
+    tile and two ``[C, KT]`` tiles (see :func:`_last_row_sums`)."""
     into, to_end, gamma = factors
     dqg, dkg, dxk = d_products
     qv, kv = load(q_tile).astype(F32), load(k_tile).astype(F32)
@@ -284,8 +297,9 @@ def _gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale:
     t = to_end * dkg
     kt = kv * t
     dk, dg = dk + t, dg - kt
-    last = jnp.sum(kt, axis=0) + gamma * d_gamma
-    return dq, dk, jnp.where(iota((CHUNK, KT), 0) == CHUNK - 1, dg + _cols(last, (CHUNK, KT)), dg)
+    last_row = iota((CHUNK, KT), 0) == CHUNK - 1
+    dg = dg + _last_row_sums(kt, scratch[0], scratch[1:])
+    return dq, dk, jnp.where(last_row, dg + _cols(gamma * d_gamma, (CHUNK, KT)), dg)
 
 
 # --------------------------------------------------------------------------- forward kernel
@@ -449,7 +463,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             factors = _gate_factors(g_s, mask_refs, bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
             dq, dk, dg = _gate_chain(dq, dk, dg, q_s, k_s, factors, d_products,
-                                     load(dgam_ref.at[bi, hi, ni, ch], COL), scale)
+                                     load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
+                                     (p_s, bp_s, ap_s))  # free once the levels are done
             dq_ref.at[bi, tok, hi, ch][...] = dq.astype(dq_ref.dtype)
             dk_ref.at[bi, tok, hi, ch][...] = dk.astype(dk_ref.dtype)
             dg_ref.at[bi, hi, tok, ch][...] = dg

@@ -25,7 +25,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, products, tiles
 from pallas_kernels.kda_state_fwd import BLOCK_V
 
 
@@ -64,14 +64,15 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
             ds_s[...] = ds.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, dst_ref.at[bi, hi, n, :, cols])
-            dvt = matmul((c, bv), (a_s.at[slot].T, do_s.at[slot]), (kg_s.at[slot], ds_s))
+            # Qg^T dO does not need dVt: issued with it, waited for once.
+            dvt, read = products(((c, bv), (a_s.at[slot].T, do_s.at[slot]), (kg_s.at[slot], ds_s)),
+                                 ((dk, bv), (qg_s.at[slot].T, do_s.at[slot])))
             du_ref.at[bi, hi, pl.ds(n * c, c), cols][...] = dvt
             dvt_s[...] = dvt.astype(BF16)
             plgpu.commit_smem()
             decay = lax.broadcast_in_dim(load(gam_ref.at[bi, hi, n], ROW), (dk, bv), [0])
-            read = matmul((dk, bv), (qg_s.at[slot].T, do_s.at[slot]))
-            erase = matmul((dk, bv), (w_s.at[slot].T, dvt_s))
-            return ds * decay + read - erase
+            kept = ds * decay + read
+            return kept - matmul((dk, bv), (w_s.at[slot].T, dvt_s))
 
         ds = lax.fori_loop(0, nc, step, ds0)
         dh0_ref.at[bi, hi, :, cols][...] = ds

@@ -19,7 +19,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, products, tiles
 
 BLOCK_V = 64
 
@@ -67,17 +67,20 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
             s_s[...] = s.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(s_s, st_ref.at[bi, hi, n, :, cols], commit_group=False)
-            vt = load(u_s.at[slot]) - matmul((c, bv), (w_s.at[slot], s_s))
+            # Two rounds of WGMMAs, each pair issued together and waited for once: W S with Qg S,
+            # then Aqk Vt with Kg^T Vt (O is off the state's critical path).
+            ws, o = products(((c, bv), (w_s.at[slot], s_s)), ((c, bv), (qg_s.at[slot], s_s)))
+            vt = load(u_s.at[slot]) - ws
             vt_s[...] = vt.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(vt_s, vt_ref.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
-            o = matmul((c, bv), (qg_s.at[slot], s_s), (a_s.at[slot], vt_s))
-            o_s[...] = o.astype(BF16)
+            o_vt, update = products(((c, bv), (a_s.at[slot], vt_s)), ((dk, bv), (kg_s.at[slot].T, vt_s)))
+            o_s[...] = (o + o_vt).astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, pl.ds(n * c, c), hi, cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(load(gam_s.at[slot], ROW), (dk, bv), [0])
-            return s * decay + matmul((dk, bv), (kg_s.at[slot].T, vt_s))
+            return s * decay + update
 
         s = lax.fori_loop(0, nc, step, s0)
         fin_ref.at[bi, hi, :, cols][...] = s

@@ -64,11 +64,11 @@ kda_peers() {  # one GPU: all four shapes, ours and jla in one process, then fla
   part kda_fla 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls fla \
     --shapes 1,8192,16,128 --out "$OUT/kda.jsonl"
 }
-kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes with a profile, kernel registers
+kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes (profile: the first), registers
   part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
   part kda_ours 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas \
-    --shapes 8,4096,16,128 1,8192,16,128 2,8192,64,128 1,32768,16,128 --profile /tmp/prof \
+    --shapes ${SHAPES:-8,4096,16,128 1,8192,16,128 2,8192,64,128 1,32768,16,128} --profile /tmp/prof \
     --out "$OUT/kda.jsonl"
   ours_profile
   part kda_scores_parts 80 env CUDA_VISIBLE_DEVICES=0 MOSAIC_GPU_DUMP_PTXAS=1 python3 \
