@@ -2,8 +2,7 @@
 
 The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) take more time on the H200 than
 their loads, stores and WGMMAs account for (docs/benchmarks.md). This times the forward kernel
-(``Aqk``, ``Akk`` and the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma``) and the backward kernel
-(with their chain rule) alone at one shape, jitted, median of 5 x 10 calls, for:
+(``Aqk`` and ``Akk``) and the backward kernel (with the gates' chain rule) alone at one shape, jitted, median of 5 x 10 calls, for:
 
 - ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes
   every chunk bounded, so the two-level fast path runs), ``exact_exp``: the same without Mosaic's

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kda_cumsum import chunk_cumsum
-from pallas_kernels.kda_scores import CHUNK, GatedScores, SegmentMasks, gate_products, gated_scores
-from pallas_kernels.kda_scores import same_segment_reference as _same_segment
+from pallas_kernels.kda_gates import CHUNK, SegmentMasks, gate_products
+from pallas_kernels.kda_gates import same_segment_reference as _same_segment
+from pallas_kernels.kda_scores import GatedScores, gated_scores
 from pallas_kernels.kda_solve import wy, wy_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
@@ -151,9 +151,9 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     leave the state unchanged.
 
     ``scores`` picks how ``Aqk``, ``Akk`` and the gated operands are built: ``"xla"`` (default, plain
-    fp32 JAX) or ``"mosaic"`` (the gates' chunk cumsum by :func:`pallas_kernels.kda_cumsum.chunk_cumsum`
-    and :func:`pallas_kernels.kda_scores.gated_scores`, Mosaic GPU kernels with bf16 tensor-core
-    operands: q and k are rounded to bf16; K in {64, 128}). ``solve`` picks how ``T = (I + L)^-1``
+    fp32 JAX) or ``"mosaic"`` (:func:`pallas_kernels.kda_scores.gated_scores`: the gates' cumsum and
+    the scores as Mosaic GPU kernels with bf16 tensor-core operands: q and k are rounded to bf16; K
+    in {64, 128}). ``solve`` picks how ``T = (I + L)^-1``
     and ``W``, ``U`` are formed: ``"xla"`` (default, a batched triangular solve and fp32 matmuls) or
     ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`). ``interpret`` runs the kernels in the CPU
     interpreter.
@@ -169,8 +169,7 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, scores: st
     g = pad(g.astype(f32))
     if scores == "mosaic":
         q, k = (pad(x.astype(jnp.bfloat16)) for x in (q, k))
-        s = gated_scores(q, k, chunk_cumsum(g, interpret=interpret), scale=scale, masks=masks,
-                         interpret=interpret)
+        s = gated_scores(q, k, g, scale=scale, masks=masks, interpret=interpret)
     else:
         s = _xla_gated_scores(pad(q.astype(f32)), pad(k.astype(f32)), g, scale, masks)
     beta = jnp.swapaxes(pad(beta.astype(f32)), 1, 2)  # [B, H, Tp]: tiny, the kernels' layout

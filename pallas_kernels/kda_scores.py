@@ -8,14 +8,14 @@ with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: ev
 ``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
 ``a = b = k``; :func:`gated_scores` computes both in one kernel and shares the decay work.
 
-Gates: the same kernel, holding ``q``, ``k`` and ``G``, writes the other per-token operands of the
-chunked form (bf16, head-major): ``Qg = scale q exp(G)``, ``Kg = k exp(G_last - G)`` and
-``Xk = k exp(G)`` (``beta`` times it is the ``X`` of the chunk inverse), and ``gamma = exp(G_last)``
-per chunk; with packed documents ``exp(G)`` and ``gamma`` are masked by ``enter`` and
-``exp(G_last - G)`` by ``leave`` (:class:`SegmentMasks`), and both score matrices by "same segment".
-The backward kernel adds these products' chain rule to the scores' gradients and writes ``dq``,
-``dk`` once, in the caller's ``[B, T, H, K]`` layout, and ``dG`` for the reverse cumsum: no fp32
-intermediate of the token-parallel part goes through HBM for XLA to combine.
+Gates (:mod:`pallas_kernels.kda_gates`): :func:`gated_scores` also returns the other per-token
+operands of the chunked form, ``Qg``, ``Kg``, ``Xk`` and ``gamma``, which the gates' cumsum kernel
+writes as it makes ``G`` (:func:`pallas_kernels.kda_cumsum.cumsum_and_gates`); both score matrices
+are zero across a segment start. The backward kernel adds these products' chain rule to the scores'
+gradients and writes ``dq``, ``dk`` once, in the caller's ``[B, T, H, K]`` layout, and ``dG`` for
+the reverse cumsum: no fp32 intermediate of the token-parallel part goes through HBM for XLA to
+combine. (Written by the scores forward kernel instead, the products cost it 0.37 ms at
+(8, 4096, 16, 128) on the H200: one warpgroup per SM, every step's latency exposed.)
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
 As in :func:`pallas_kernels.kda_prep._tree_scores`, a pair ``r > j`` belongs to exactly one level
@@ -70,12 +70,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import kda_gates as gates
 from pallas_kernels._mgpu import (
     BF16,
     COL,
     F32,
     KT,
-    ROW,
     SPLITS,
     WG,
     column_tiles,
@@ -88,6 +88,8 @@ from pallas_kernels._mgpu import (
     store_split,
     tiles,
 )
+from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
+from pallas_kernels.kda_gates import SegmentMasks, gate_products, same_segment_reference
 
 CHUNK = 64
 HEAD_DIMS = (64, 128)
@@ -223,94 +225,15 @@ def bounded_chunks(g_cum):
     return (span <= BOUND).astype(jnp.int32)
 
 
-# --------------------------------------------------------------------------- gates (in-kernel)
-
-
-def _rows(vec, shape):
-    """A per-row vector (``ROW`` layout) broadcast over the columns of a ``shape`` tile."""
-    return lax.broadcast_in_dim(vec, shape, (0,))
-
-
-def _cols(vec, shape):
-    """A per-column vector (``COL`` layout) broadcast over the rows of a ``shape`` tile."""
-    return lax.broadcast_in_dim(vec, shape, (1,))
-
-
-def _same_segment(masks, bi, tok):
-    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment (True without masks)."""
-    if not masks:
-        return None
-    seg_ref = masks[0]
-    return (_rows(load(seg_ref.at[bi, tok], ROW), (CHUNK, CHUNK))
-            == _cols(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
-
-
-def _gate_factors(g_tile, masks, bi, ni):
-    """One channel tile's decay factors (module docstring, "Gates"): ``(into [C, KT], to_end [C, KT],
-    gamma [KT] COL)`` = ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
-
-    g_tile: plain SMEM ``[C, KT]`` fp32; ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
-    """
-    g = load(g_tile)
-    last = load(g_tile.at[CHUNK - 1], COL)
-    into, to_end, gamma = jnp.exp(g), jnp.exp(_cols(last, (CHUNK, KT)) - g), jnp.exp(last)
-    if masks:
-        _, enter_ref, leave_ref = masks
-        tok = pl.ds(ni * CHUNK, CHUNK)
-        into = into * _rows(load(enter_ref.at[bi, tok], ROW), (CHUNK, KT))
-        to_end = to_end * _rows(load(leave_ref.at[bi, tok], ROW), (CHUNK, KT))
-        gamma = gamma * enter_ref[bi, ni * CHUNK + CHUNK - 1]
-    return into, to_end, gamma
-
-
-def _gate_products(q_tile, k_tile, factors, scale: float):
-    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``, ``k into``."""
-    into, to_end, _ = factors
-    kv = load(k_tile).astype(F32)
-    return scale * load(q_tile).astype(F32) * into, kv * to_end, kv * into
-
-
-def _last_row_sums(x, sel_s, parts):
-    """``[C, KT]`` fp32: the column sums of ``x`` (fp32 ``[C, KT]``) in the chunk's last row, zeros
-    elsewhere, as ``Sel x`` on the tensor cores (``Sel``: ones in its last row; ``x`` in two bf16
-    parts, ~16 bits). A sum over rows spans the warpgroup's four warps: Mosaic lowers ``jnp.sum``
-    over axis 0 through one SMEM scratch per kernel, which two warpgroups would share (on the H200
-    it corrupted ``dG`` at K = 128)."""
-    sel_s[...] = jnp.where(iota((CHUNK, CHUNK), 0) == CHUNK - 1, 1.0, 0.0).astype(BF16)
-    store_split(x, parts)
-    plgpu.commit_smem()
-    return matmul((CHUNK, KT), *[(sel_s, part) for part in parts])
-
-
-def _gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: float, scratch):
-    """Add the cotangents of ``(Qg, Kg, Xk)`` (fp32 ``[C, KT]``) and of ``gamma`` (``[KT]`` COL) to
-    ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end`` at
-    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``scratch``: a bf16 ``[C, C]``
-    tile and two ``[C, KT]`` tiles (see :func:`_last_row_sums`)."""
-    into, to_end, gamma = factors
-    dqg, dkg, dxk = d_products
-    qv, kv = load(q_tile).astype(F32), load(k_tile).astype(F32)
-    t = scale * into * dqg
-    dq, dg = dq + t, dg + qv * t
-    t = into * dxk
-    dk, dg = dk + t, dg + kv * t
-    t = to_end * dkg
-    kt = kv * t
-    dk, dg = dk + t, dg - kt
-    last_row = iota((CHUNK, KT), 0) == CHUNK - 1
-    dg = dg + _last_row_sums(kt, scratch[0], scratch[1:])
-    return dq, dk, jnp.where(last_row, dg + _cols(gamma * d_gamma, (CHUNK, KT)), dg)
-
-
 # --------------------------------------------------------------------------- forward kernel
 
 _WHICH = (0, -1)  # the outputs' row operands: q (Aqk), then k itself (Akk)
 
 
 def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
-    """Raw forward kernel: :class:`GatedScores`' six arrays (see :func:`gated_scores`).
+    """Raw forward kernel: ``(Aqk bf16, Akk fp32)`` ``[B, H, Tp, C]`` (see :func:`gated_scores`).
 
-    q, k: ``[B, Tp, H, K]`` bf16 (the caller's layout); g: ``[B, H, Tp, K]`` fp32; flags:
+    q, k: ``[B, Tp, H, K]`` bf16 (the caller's layout); g: ``[B, H, Tp, K]`` fp32 (``G``); flags:
     :func:`bounded_chunks` of ``g``; masks: ``()`` or ``(seg, enter, leave)`` ``[B, Tp]``.
 
     Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128),
@@ -320,23 +243,17 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     nb, tp, h, dk = q.shape
     nh, chs = dk // KT, column_tiles(dk)
     heads_major = lambda d, dt: jax.ShapeDtypeStruct((nb, h, tp, d), dt)  # noqa: E731
-    out_type = (heads_major(CHUNK, BF16), heads_major(CHUNK, F32), *(heads_major(dk, BF16) for _ in range(3)),
-                jax.ShapeDtypeStruct((nb, h, tp // CHUNK, dk), F32))
+    out_type = (heads_major(CHUNK, BF16), heads_major(CHUNK, F32))
 
     def body(q_ref, k_ref, g_ref, flags_ref, *refs):
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
-        (aqk_ref, akk_ref, *product_refs, gam_ref), refs = refs[:6], refs[6:]
+        (aqk_ref, akk_ref), refs = refs[:2], refs[2:]
         q_s, k_s, g_s, bp_s, ap_s, bar, p_s, *g_parts = refs
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
         for src, dst in ((q_ref.at[bi, tok, hi], q_s), (k_ref.at[bi, tok, hi], k_s), (g_ref.at[bi, hi, tok], g_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        for ch in chs:  # the gate products, written before the levels reuse registers
-            factors = _gate_factors(g_s.at[:, ch], mask_refs, bi, ni)
-            for ref, x in zip(product_refs, _gate_products(q_s.at[:, ch], k_s.at[:, ch], factors, scale)):
-                ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
-            gam_ref.at[bi, hi, ni, ch][...] = factors[2]
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
 
         # Diagonal, exact in fp32.
@@ -344,7 +261,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         for x_s in (q_s, k_s):
             dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(k_s.at[:, ch]).astype(F32), axis=1)
                       for ch in chs)
-            scores.append(jnp.where(rows == cols, _rows(dot, (CHUNK, CHUNK)), 0.0))
+            scores.append(jnp.where(rows == cols, gates.rows(dot, (CHUNK, CHUNK)), 0.0))
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
 
         def split_g():
@@ -364,7 +281,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
                          for o, sc in enumerate(scores))
 
         def store(scores):
-            same = _same_segment(mask_refs, bi, tok)
+            same = gates.same_segment(mask_refs, bi, tok)
             for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
                 sc = sc * factor if factor != 1.0 else sc
                 out.at[bi, hi, tok][...] = (sc if same is None else jnp.where(same, sc, 0.0)).astype(out.dtype)
@@ -431,7 +348,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
         zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
-        same = _same_segment(mask_refs, bi, tok)
+        same = gates.same_segment(mask_refs, bi, tok)
 
         def masked_ds(o, keep):
             ds = load(ds_s[o]).astype(F32)
@@ -457,12 +374,12 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dg = qv * dq + kv * dk_row - kv * db
             # Diagonal (no decay): dS[r, r] k_r and dS[r, r] q_r (or k_r).
             diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-            w_qk, w_kk = (_rows(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
+            w_qk, w_kk = (gates.rows(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
-            factors = _gate_factors(g_s, mask_refs, bi, ni)
+            factors = gates.gate_factors(g_s, mask_refs, bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
-            dq, dk, dg = _gate_chain(dq, dk, dg, q_s, k_s, factors, d_products,
+            dq, dk, dg = gates.gate_chain(dq, dk, dg, q_s, k_s, factors, d_products,
                                      load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
                                      (p_s, bp_s, ap_s))  # free once the levels are done
             dq_ref.at[bi, tok, hi, ch][...] = dq.astype(dq_ref.dtype)
@@ -497,16 +414,6 @@ _bwd_jit = shared_lowering(_bwd_call, ("scale",))
 # --------------------------------------------------------------------------- differentiable op
 
 
-class SegmentMasks(NamedTuple):
-    """Packed documents, per token ``[B, Tp]`` (shared by the heads; see ``kda_prep``): ``seg`` int32
-    (a segment counter: equal within a segment), ``enter`` / ``leave`` fp32 0/1 (the state entering
-    the chunk reaches the row / the row's key reaches the state leaving the chunk)."""
-
-    seg: jax.Array
-    enter: jax.Array
-    leave: jax.Array
-
-
 class GatedScores(NamedTuple):
     """What the state kernels and the chunk inverse need, head-major (see :func:`gated_scores`)."""
 
@@ -524,59 +431,60 @@ def _gated(q, k, g, masks, scale, interpret):
 
 
 def _gated_fwd(q, k, g, masks, scale, interpret):
-    flags = bounded_chunks(g)
-    out = GatedScores(*_fwd_jit(q, k, g, flags, tuple(masks), scale=scale, interpret=interpret))
-    return out, (q, k, g, masks, flags)
+    g_cum, qg, kg, xk, gamma = cumsum_and_gates(g, q, k, masks, scale=scale, interpret=interpret)
+    flags = bounded_chunks(g_cum)
+    aqk, akk = _fwd_jit(q, k, g_cum, flags, tuple(masks), scale=scale, interpret=interpret)
+    return GatedScores(aqk, akk, qg, kg, xk, gamma), (q, k, g_cum, masks, flags)
 
 
 def _gated_bwd(scale, interpret, res, cts):
-    q, k, g, masks, flags = res
-    dq, dk, dg = _bwd_jit(q, k, g, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma, flags, tuple(masks),
-                          scale=scale, interpret=interpret)
-    return dq, dk, dg, None if masks == () else type(masks)(None, None, None)
+    q, k, g_cum, masks, flags = res
+    dq, dk, dg_cum = _bwd_jit(q, k, g_cum, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma, flags,
+                              tuple(masks), scale=scale, interpret=interpret)
+    return dq, dk, reverse_cumsum(dg_cum, interpret=interpret), None
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd)
 
 
-def _check(q, k, g_cum, masks):
+def _check(q, k, g, masks):
     shape = q.shape
     if len(shape) != 4 or shape[1] % CHUNK or shape[3] not in HEAD_DIMS:
         raise ValueError(f"gated_scores: q must be [B, Tp, H, K] with Tp a multiple of {CHUNK} and K in "
                          f"{HEAD_DIMS}, got {shape}")
-    if k.shape != shape:
-        raise ValueError(f"gated_scores: k must have q's shape {shape}, got {k.shape}")
-    heads_major = (shape[0], shape[2], shape[1], shape[3])
-    if g_cum.shape != heads_major:
-        raise ValueError(f"gated_scores: g_cum must be [B, H, Tp, K] = {heads_major}, got {g_cum.shape}")
+    for name, x in (("k", k), ("g", g)):
+        if x.shape != shape:
+            raise ValueError(f"gated_scores: {name} must have q's shape {shape}, got {x.shape}")
     for name, x in (("q", q), ("k", k)):
         if x.dtype != BF16:
             raise ValueError(f"gated_scores: {name} must be bfloat16 (the tensor cores' operands), got {x.dtype}")
-    if g_cum.dtype != F32:
-        raise ValueError(f"gated_scores: g_cum must be float32, got {g_cum.dtype}")
+    if g.dtype != F32:
+        raise ValueError(f"gated_scores: g must be float32, got {g.dtype}")
     for name, x in zip(SegmentMasks._fields, masks or ()):
         if x.shape != shape[:2]:
             raise ValueError(f"gated_scores: masks.{name} must be [B, Tp] = {shape[:2]}, got {x.shape}")
 
 
-def gated_scores(q, k, g_cum, *, scale: float, masks: SegmentMasks | None = None,
+def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
                  interpret: bool = False) -> GatedScores:
     """KDA's intra-chunk scores and gated operands per chunk of 64 tokens (module docstring).
 
     Args:
       q, k: ``[B, Tp, H, K]`` bf16, the caller's layout (``Tp`` a multiple of 64, ``K`` in {64, 128}).
-      g_cum: ``[B, H, Tp, K]`` fp32 chunk-local cumulative log-decay (non-increasing within a chunk).
+      g: ``[B, Tp, H, K]`` fp32 per-token log-decay (``<= 0``); the kernels take its chunk cumsum.
       scale: the attention scale (multiplies ``Aqk`` and ``Qg``).
-      masks: packed documents (:class:`SegmentMasks`), or None.
+      masks: packed documents (:class:`pallas_kernels.kda_gates.SegmentMasks`), or None.
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with the
     diagonal ``|k_r|^2``), both zero across a segment start; ``qg = scale q exp(G) enter``,
     ``kg = k exp(G_last - G) leave``, ``xk = k exp(G) enter`` (bf16) and ``gamma = exp(G_last)
-    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g_cum`` (Mosaic backward kernel).
+    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g``: the backward kernels (scores
+    with the gates' chain rule, then the reverse cumsum) return ``dq, dk`` in the inputs' dtypes and
+    ``dg`` fp32, all in the caller's layout.
     """
-    _check(q, k, g_cum, masks)
-    return _gated(q, k, g_cum, masks if masks is not None else (), float(scale), interpret)
+    _check(q, k, g, masks)
+    return _gated(q, k, g, masks if masks is not None else (), float(scale), interpret)
 
 
 # --------------------------------------------------------------------------- references
@@ -594,38 +502,14 @@ def scores_reference(a, b, g_cum):
     return jnp.where(lower, s, 0.0).reshape(nb, h, tp, CHUNK)
 
 
-def gate_products(q, k, g_cum, scale: float, masks: SegmentMasks | None):
-    """Plain fp32 ``(Qg, Kg, Xk [B, H, Tp, K], gamma [B, H, NC, K])`` (see :func:`gated_scores`);
-    q, k head-major ``[B, H, Tp, K]``."""
-    nb, h, tp, dk = q.shape
-    shp = (nb, h, tp // CHUNK, CHUNK, dk)
-    q, k, g = (x.astype(F32).reshape(shp) for x in (q, k, g_cum))
-    last = g[..., -1:, :]
-    into, to_end, gamma = jnp.exp(g), jnp.exp(last - g), jnp.exp(last[..., 0, :])
-    if masks is not None:
-        chunked = lambda x: x.astype(F32).reshape(nb, 1, tp // CHUNK, CHUNK, 1)  # noqa: E731
-        into, to_end = into * chunked(masks.enter), to_end * chunked(masks.leave)
-        gamma = gamma * chunked(masks.enter)[..., -1, :]
-    flat = lambda x: x.reshape(nb, h, tp, dk)  # noqa: E731
-    return flat(scale * q * into), flat(k * to_end), flat(k * into), gamma
-
-
-def same_segment_reference(masks: SegmentMasks | None, shape):
-    """``[B, 1, Tp, C]`` fp32 0/1: rows ``r`` and ``j`` of a chunk in one segment (ones without masks)."""
-    nb, _, tp, _ = shape
-    if masks is None:
-        return jnp.ones((nb, 1, tp, CHUNK), F32)
-    seg = masks.seg.reshape(nb, tp // CHUNK, CHUNK)
-    return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
-
-
-def gated_scores_reference(q, k, g_cum, *, scale: float, masks: SegmentMasks | None = None) -> GatedScores:
-    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k ``[B, Tp, H, K]``."""
+def gated_scores_reference(q, k, g, *, scale: float, masks: SegmentMasks | None = None) -> GatedScores:
+    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k, g ``[B, Tp, H, K]``."""
     qh, kh = (jnp.swapaxes(x.astype(F32), 1, 2) for x in (q, k))
+    g_cum = chunk_cumsum_reference(g)  # [B, H, Tp, K]
     same = same_segment_reference(masks, qh.shape)
     return GatedScores(scale * scores_reference(qh, kh, g_cum) * same, scores_reference(kh, kh, g_cum) * same,
                        *gate_products(qh, kh, g_cum, scale, masks))
 
 
-__all__ = ["gated_scores", "gated_scores_reference", "gate_products", "scores_reference",
-           "same_segment_reference", "bounded_chunks", "GatedScores", "SegmentMasks", "CHUNK", "HEAD_DIMS"]
+__all__ = ["gated_scores", "gated_scores_reference", "scores_reference", "bounded_chunks", "GatedScores",
+           "CHUNK", "HEAD_DIMS"]

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh kda_full         # any kind, GPU 0: all KDA GPU tests, parts, profile
 #   bash scripts/gpu_session.sh kda_peers        # any kind, GPU 0: all four shapes, ours vs jla, fla
 #   bash scripts/gpu_session.sh kda_dev          # any kind, GPU 0: all KDA GPU tests, ours at 4 shapes
+#   bash scripts/gpu_session.sh kda_final        # any kind, GPU 0: all KDA GPU tests, ours vs jla
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
@@ -76,6 +77,14 @@ kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes (profile: th
   grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/kda_scores_parts.log" > "$OUT/ptxas.txt"
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
+kda_final() {  # one GPU: every KDA GPU test, then ours and jla at all four shapes (profile: the first)
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  part kda_bench 290 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas,jla \
+    --profile /tmp/prof --out "$OUT/kda.jsonl"
+  ours_profile
+  python3 benchmarks/profile_top.py /tmp/prof/jla --top 20 > "$OUT/profile_jla.jsonl" 2>&1
+}
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
     tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py
@@ -112,8 +121,10 @@ kda_peers)
   peers; kda_peers ;;
 kda_dev)
   kda_dev ;;
+kda_final)
+  peers; kda_final ;;
 *)
-  echo "usage: gpu_session.sh kda | kda_full | kda_peers | kda_dev | two | one CORPUS_DIR" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | kda_full | kda_peers | kda_dev | kda_final | two | one CORPUS_DIR" >&2; exit 2 ;;
 esac
 # One archive: the device tool brings back only a few files per call.
 tar -czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz"

@@ -16,7 +16,8 @@ from helpers import kda_bf16_case
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import kda_scores
 from pallas_kernels.kda_prep import prepare, segment_masks
-from pallas_kernels.kda_scores import SegmentMasks, gated_scores, gated_scores_reference
+from pallas_kernels.kda_gates import SegmentMasks
+from pallas_kernels.kda_scores import gated_scores, gated_scores_reference
 
 C = 64
 
@@ -51,15 +52,17 @@ def _masks(seed, b, tp):
     return segment_masks(seg, C)
 
 
-def _check_gated(q, k, g_cum, masks, seed):
-    """Every output of the kernel pair and the gradients of q, k, g_cum against the fp32 reference
-    on the same (bf16-grid) values, one random cotangent per output."""
+def _check_gated(q, k, g, masks, seed):
+    """Every output of the kernels and the gradients of q, k, g (``g`` head-major here, given to the
+    op in the caller's layout) against the fp32 reference on the same (bf16-grid) values, one
+    random cotangent per output."""
+    g = jnp.swapaxes(g, 1, 2)
     scale = q.shape[-1] ** -0.5
     ker = lambda q, k, g: gated_scores(q, k, g, scale=scale, masks=masks, interpret=True)  # noqa: E731
     ref = lambda q, k, g: gated_scores_reference(q, k, g, scale=scale, masks=masks)  # noqa: E731
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    r, ref_vjp = jax.vjp(ref, f32(q), f32(k), g_cum)
-    out, ker_vjp = jax.vjp(ker, q, k, g_cum)
+    r, ref_vjp = jax.vjp(ref, f32(q), f32(k), g)
+    out, ker_vjp = jax.vjp(ker, q, k, g)
     for name, x, y in zip(r._fields, r, out):
         assert x.shape == y.shape, (name, x.shape, y.shape)
         assert rel_rms(x, y) <= BF16_OUT_TOL, (name, rel_rms(x, y))
@@ -69,7 +72,7 @@ def _check_gated(q, k, g_cum, masks, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), len(out))
     # Nonzero above the diagonal too (the kernel must ignore those), in each output's dtype.
     cts = type(out)(*(jax.random.normal(key, y.shape).astype(y.dtype) for key, y in zip(keys, out)))
-    _check_grads(ref_vjp(type(r)(*map(f32, cts))), ker_vjp(cts), ("q", "k", "g_cum"))
+    _check_grads(ref_vjp(type(r)(*map(f32, cts))), ker_vjp(cts), ("q", "k", "g"))
 
 
 def _check_grads(ref_grads, ker_grads, names):
@@ -81,11 +84,11 @@ def _check_grads(ref_grads, ker_grads, names):
 def test_gated_scores_mixed_chunks_with_segments():
     """K = 64, two heads, two chunks: K3's lower-bound gate (the bounded path) in three chunks, a
     softplus gate past exp's fp32 range (the exact levels) in the fourth; packed documents."""
-    q, k, _, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
+    q, k, g, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
     np.testing.assert_array_equal(kda_scores.bounded_chunks(g_cum), [[[1, 0], [1, 1]]])
     masks = _masks(5, 1, 2 * C)
     assert 0 < float(jnp.mean(masks.enter)) < 1 and 0 < float(jnp.mean(masks.leave)) < 1
-    _check_gated(q, k, g_cum, masks, seed=1)
+    _check_gated(q, k, g, masks, seed=1)
 
 
 def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
@@ -95,7 +98,7 @@ def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
     q, k, g, g_cum = _inputs(2, 2, 1, C, 128, "softplus")
     assert float(jnp.min(jnp.sum(g[:, :, :16], axis=2))) < -88.0  # the overflow regime is exercised
     assert not kda_scores.bounded_chunks(g_cum).any()  # so the exact levels run
-    _check_gated(q, k, g_cum, None, seed=3)
+    _check_gated(q, k, g, None, seed=3)
 
 
 def test_prepare_mosaic_scores_match_xla():
@@ -128,7 +131,7 @@ def test_kernels_lower_for_cuda(dk):
     """Both kernels (with and without segment masks) pass Mosaic GPU's lowering (layouts, WGMMA
     operand tiling) for an sm_90 target; the interpreter alone would accept layouts that do not lower."""
     bf = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.bfloat16)
-    g = jax.ShapeDtypeStruct((2, 2, 2 * C, dk), jnp.float32)
+    g = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.float32)
     tok = lambda dt: jax.ShapeDtypeStruct((2, 2 * C), dt)  # noqa: E731
     for masks in (None, SegmentMasks(tok(jnp.int32), tok(jnp.float32), tok(jnp.float32))):
         def fwd_bwd(q, k, g, masks):
@@ -144,13 +147,15 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="chunk_size must be 64"):
         prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32, scores="mosaic")
     q = jnp.zeros((1, C, 1, 64), jnp.bfloat16)
-    g = jnp.zeros((1, 1, C, 64), jnp.float32)
+    g = jnp.zeros((1, C, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="K in"):
         gated_scores(q[..., :32], q[..., :32], g[..., :32], scale=1.0)
     with pytest.raises(ValueError, match="multiple of 64"):
-        gated_scores(q[:, :40], q[:, :40], g[:, :, :40], scale=1.0)
-    with pytest.raises(ValueError, match="g_cum must be"):
+        gated_scores(q[:, :40], q[:, :40], g[:, :40], scale=1.0)
+    with pytest.raises(ValueError, match="g must have q's shape"):
         gated_scores(q, q, g[..., :1], scale=1.0)
+    with pytest.raises(ValueError, match="g must be float32"):
+        gated_scores(q, q, g.astype(jnp.bfloat16), scale=1.0)
     with pytest.raises(ValueError, match="q must be bfloat16"):
         gated_scores(q.astype(jnp.float32), q, g, scale=1.0)
     with pytest.raises(ValueError, match="masks.enter must be"):
