@@ -3,9 +3,9 @@
 ``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
 chunked form of SPEC 3.3, in three parts:
 
-1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): the gates' chunk cumsum
-   (:mod:`pallas_kernels.kda_cumsum`), the intra-chunk score matrices with the gated operands ``Qg``,
-   ``Kg``, ``Xk``, ``gamma`` (:mod:`pallas_kernels.kda_scores`) and the chunk inverse with ``W, U``
+1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): the gates' chunk cumsum with
+   the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma`` and the intra-chunk score matrices
+   (:func:`pallas_kernels.kda_scores.gated_scores`) and the chunk inverse with ``W, U``
    (:mod:`pallas_kernels.kda_solve`), Mosaic GPU kernels with their own VJPs that read and write the
    caller's ``[B, T, H, K]`` layout where it is theirs (``scores="xla"``, ``solve="xla"`` compute the
    same in XLA). Only padding, the segment masks and ``beta``'s transpose are left to XLA.

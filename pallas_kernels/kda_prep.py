@@ -7,10 +7,11 @@ For each chunk of ``C = 64`` tokens (one head) this forms, from the cumulative l
 * ``W = T (beta Xk)``, ``U = T (beta V)`` with ``Xk = exp(G) K``; ``Qg = scale exp(G) Q``,
   ``Kg = exp(G_C - G) K`` and ``gamma = exp(G_C)``;
 
-the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`), in three steps with
-their own VJPs: the gates' chunk cumsum (:mod:`pallas_kernels.kda_cumsum`), the scores with the
-gated operands (:mod:`pallas_kernels.kda_scores`), the chunk inverse with ``W``, ``U``
-(:mod:`pallas_kernels.kda_solve`). ``scores="xla"`` / ``solve="xla"`` compute the same quantities in
+the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`), in two steps with
+their own VJPs: the gates' chunk cumsum with the gated operands and the score matrices
+(:func:`pallas_kernels.kda_scores.gated_scores`; kernels in :mod:`pallas_kernels.kda_cumsum` and
+:mod:`pallas_kernels.kda_scores`, helpers in :mod:`pallas_kernels.kda_gates`), then the chunk inverse
+with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). ``scores="xla"`` / ``solve="xla"`` compute the same quantities in
 plain JAX (differentiated by autodiff): the reference structure the kernels are tested against.
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
