@@ -53,7 +53,7 @@ def cols(vec, shape):
 
 
 def same_segment(masks, bi, tok):
-    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment (True without masks)."""
+    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment, or None without masks."""
     if not masks:
         return None
     seg_ref = masks[0]
