@@ -35,6 +35,16 @@ def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
 
 
+def per_row(vec, shape: tuple[int, int]) -> jax.Array:
+    """A per-row vector (``ROW`` layout) broadcast over the columns of a ``shape`` tile."""
+    return lax.broadcast_in_dim(vec, shape, (0,))
+
+
+def per_col(vec, shape: tuple[int, int]) -> jax.Array:
+    """A per-column vector (``COL`` layout) broadcast over the rows of a ``shape`` tile."""
+    return lax.broadcast_in_dim(vec, shape, (1,))
+
+
 def store_split(value, parts) -> None:
     """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` to ~8 significant bits
     a part (two: ~16 bits, what a split-bf16 tensor-core product needs; three: exact)."""

@@ -14,10 +14,10 @@ chunked form of SPEC 3.3, in three parts:
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd`: the reverse recurrence (Mosaic GPU kernel), then
    the per-chunk products of the state gradients (batched, bf16 operands, fp32 accumulation).
 
-Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains the VJPs of part 1's kernels
-(each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k, v, g, beta, initial_state) gets its gradient. State and accumulation are fp32;
-the kernels' matmul operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are
-therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
+Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains them with the VJPs of part
+1's kernels (each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k, v,
+g, beta, initial_state) gets its gradient. State and accumulation are fp32; the kernels' matmul
+operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
 """
 
 from __future__ import annotations

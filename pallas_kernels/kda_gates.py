@@ -22,9 +22,8 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels._mgpu import BF16, COL, F32, KT, ROW, iota, load, matmul, store_split
+from pallas_kernels._mgpu import BF16, COL, F32, KT, ROW, iota, load, matmul, per_col, per_row, store_split
 
 CHUNK = 64
 
@@ -42,23 +41,13 @@ class SegmentMasks(NamedTuple):
 # --------------------------------------------------------------------------- in-kernel helpers
 
 
-def rows(vec, shape):
-    """A per-row vector (``ROW`` layout) broadcast over the columns of a ``shape`` tile."""
-    return lax.broadcast_in_dim(vec, shape, (0,))
-
-
-def cols(vec, shape):
-    """A per-column vector (``COL`` layout) broadcast over the rows of a ``shape`` tile."""
-    return lax.broadcast_in_dim(vec, shape, (1,))
-
-
 def same_segment(masks, bi, tok):
     """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment, or None without masks."""
     if not masks:
         return None
     seg_ref = masks[0]
-    return (rows(load(seg_ref.at[bi, tok], ROW), (CHUNK, CHUNK))
-            == cols(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
+    return (per_row(load(seg_ref.at[bi, tok], ROW), (CHUNK, CHUNK))
+            == per_col(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
 
 
 def gate_factors(g_tile, masks, bi, ni):
@@ -69,12 +58,12 @@ def gate_factors(g_tile, masks, bi, ni):
     """
     g = load(g_tile)
     last = load(g_tile.at[CHUNK - 1], COL)
-    into, to_end, gamma = jnp.exp(g), jnp.exp(cols(last, (CHUNK, KT)) - g), jnp.exp(last)
+    into, to_end, gamma = jnp.exp(g), jnp.exp(per_col(last, (CHUNK, KT)) - g), jnp.exp(last)
     if masks:
         _, enter_ref, leave_ref = masks
         tok = pl.ds(ni * CHUNK, CHUNK)
-        into = into * rows(load(enter_ref.at[bi, tok], ROW), (CHUNK, KT))
-        to_end = to_end * rows(load(leave_ref.at[bi, tok], ROW), (CHUNK, KT))
+        into = into * per_row(load(enter_ref.at[bi, tok], ROW), (CHUNK, KT))
+        to_end = to_end * per_row(load(leave_ref.at[bi, tok], ROW), (CHUNK, KT))
         gamma = gamma * enter_ref[bi, ni * CHUNK + CHUNK - 1]
     return into, to_end, gamma
 
@@ -98,14 +87,14 @@ def _last_row_sums(x, sel_s, parts):
     return matmul((CHUNK, KT), *[(sel_s, part) for part in parts])
 
 
-def gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: float, scratch):
+def gate_chain(dq, dk, dg, qv, kv, factors, d_products, d_gamma, scale: float, scratch):
     """Add the cotangents of ``(Qg, Kg, Xk)`` (fp32 ``[C, KT]``) and of ``gamma`` (``[KT]`` COL) to
     ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end`` at
-    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``scratch``: a bf16 ``[C, C]``
-    tile and two ``[C, KT]`` tiles (see :func:`_last_row_sums`)."""
+    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``qv``, ``kv``: the tile's q and
+    k (fp32 values); ``scratch``: a bf16 ``[C, C]`` tile and two ``[C, KT]`` tiles (see
+    :func:`_last_row_sums`)."""
     into, to_end, gamma = factors
     dqg, dkg, dxk = d_products
-    qv, kv = load(q_tile).astype(F32), load(k_tile).astype(F32)
     t = scale * into * dqg
     dq, dg = dq + t, dg + qv * t
     t = into * dxk
@@ -115,7 +104,7 @@ def gate_chain(dq, dk, dg, q_tile, k_tile, factors, d_products, d_gamma, scale: 
     dk, dg = dk + t, dg - kt
     last_row = iota((CHUNK, KT), 0) == CHUNK - 1
     dg = dg + _last_row_sums(kt, scratch[0], scratch[1:])
-    return dq, dk, jnp.where(last_row, dg + cols(gamma * d_gamma, (CHUNK, KT)), dg)
+    return dq, dk, jnp.where(last_row, dg + per_col(gamma * d_gamma, (CHUNK, KT)), dg)
 
 
 # --------------------------------------------------------------------------- reference
@@ -146,5 +135,5 @@ def same_segment_reference(masks: SegmentMasks | None, shape):
     return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
 
 
-__all__ = ["SegmentMasks", "gate_factors", "gated_operands", "gate_chain", "same_segment", "rows", "cols",
+__all__ = ["SegmentMasks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
            "gate_products", "same_segment_reference", "CHUNK"]

@@ -3,7 +3,8 @@
 For each chunk of ``C = 64`` tokens (one head) this forms, from the cumulative log-decay ``G``:
 
 * ``Aqk [C, C]`` = ``scale * sum_c q_rc k_jc exp(G_rc - G_jc)`` for ``r >= j``;
-* ``T = (I + L)^-1`` with ``L[r, j] = beta_r Akk[r, j]``, ``Akk[r, j] = sum_c k_rc k_jc exp(G_rc - G_jc)``, ``r > j``;
+* ``T = (I + L)^-1`` with ``L[r, j] = beta_r Akk[r, j]`` for ``r > j``,
+  ``Akk[r, j] = sum_c k_rc k_jc exp(G_rc - G_jc)``;
 * ``W = T (beta Xk)``, ``U = T (beta V)`` with ``Xk = exp(G) K``; ``Qg = scale exp(G) Q``,
   ``Kg = exp(G_C - G) K`` and ``gamma = exp(G_C)``;
 
@@ -11,8 +12,9 @@ the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`), in
 their own VJPs: the gates' chunk cumsum with the gated operands and the score matrices
 (:func:`pallas_kernels.kda_scores.gated_scores`; kernels in :mod:`pallas_kernels.kda_cumsum` and
 :mod:`pallas_kernels.kda_scores`, helpers in :mod:`pallas_kernels.kda_gates`), then the chunk inverse
-with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). ``scores="xla"`` / ``solve="xla"`` compute the same quantities in
-plain JAX (differentiated by autodiff): the reference structure the kernels are tested against.
+with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). ``scores="xla"`` / ``solve="xla"`` compute the
+same quantities in plain JAX (differentiated by autodiff): the reference structure the kernels are
+tested against.
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow. Scores are built on a binary tree of row blocks:
@@ -116,7 +118,8 @@ def segment_masks(segment_ids, chunk_size: int) -> SegmentMasks | None:
     b, tp = starts.shape
     idx = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # segment counter
     chunked = idx.reshape(b, tp // c, c)
-    before = chunked[:, :, :1] - starts.reshape(b, tp // c, c)[:, :, :1].astype(jnp.int32)  # counter before the chunk
+    # the counter before the chunk
+    before = chunked[:, :, :1] - starts.reshape(b, tp // c, c)[:, :, :1].astype(jnp.int32)
     enter = (chunked == before).reshape(b, tp).astype(jnp.float32)
     leave = (chunked == chunked[:, :, -1:]).reshape(b, tp).astype(jnp.float32)
     return SegmentMasks(idx, enter, leave)

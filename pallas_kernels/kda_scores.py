@@ -84,6 +84,8 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
+    per_col,
+    per_row,
     shared_lowering,
     store_split,
     tiles,
@@ -130,7 +132,7 @@ def _fixed_anchors(lg: int, g_ref):
     rows = iota((CHUNK, KT), 0)
     anchor = None
     for start in range(0, CHUNK, span):
-        row = lax.broadcast_in_dim(load(g_ref.at[start + span // 2], COL), (CHUNK, KT), (1,))
+        row = per_col(load(g_ref.at[start + span // 2], COL), (CHUNK, KT))
         anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
     return anchor
 
@@ -171,22 +173,20 @@ def _level_decays(kind: str, lg, g_ref, p_s, parts):
     return _decays(load(g_ref), anchor, kind == BOUNDED)
 
 
-def _scaled_operands(kind: str, which, er, ec, a_refs, b_ref, bp_ref, br_ref, ap_refs):
-    """Write one channel tile's WGMMA operands of a level and return each output's row operand.
+def _scaled_operands(kind: str, er, ec, q_ref, k_ref, kp_ref, kr_ref, qp_ref):
+    """Write one channel tile's WGMMA operands of a level; return the row operands of ``(Aqk, Akk)``.
 
-    ``b E_col`` goes to ``bp_ref`` (every output's column operand) and ``a_i E_row`` to ``ap_refs``;
-    ``b`` as a row operand (``which == -1``) is ``bp_ref`` itself where both factors are ``E``, else
-    ``b E_row`` in ``br_ref`` (bounded level). ``a_refs``, ``b_ref``: the tile's plain SMEM inputs.
+    ``k E_col`` goes to ``kp_ref`` (both outputs' column operand) and ``q E_row`` to ``qp_ref``; ``k``
+    as Akk's row operand is ``kp_ref`` itself where both factors are ``E``, else ``k E_row`` in
+    ``kr_ref`` (bounded level). ``q_ref``, ``k_ref``: the tile's plain SMEM inputs.
     """
-    bounded = kind == BOUNDED
-    bvals = load(b_ref).astype(F32)
-    bp_ref[...] = (bvals * ec).astype(BF16)
-    if bounded and -1 in which:
-        br_ref[...] = (bvals * er).astype(BF16)
-    for a_ref, ap_ref in zip(a_refs, ap_refs):
-        ap_ref[...] = (load(a_ref).astype(F32) * er).astype(BF16)
-    b_row = br_ref if bounded else bp_ref
-    return [b_row if w < 0 else ap_refs[w] for w in which]
+    kvals = load(k_ref).astype(F32)
+    kp_ref[...] = (kvals * ec).astype(BF16)
+    qp_ref[...] = (load(q_ref).astype(F32) * er).astype(BF16)
+    if kind != BOUNDED:
+        return qp_ref, kp_ref
+    kr_ref[...] = (kvals * er).astype(BF16)
+    return qp_ref, kr_ref
 
 
 def _exact_levels_below_top(level, carry):
@@ -227,9 +227,6 @@ def bounded_chunks(g_cum):
 
 # --------------------------------------------------------------------------- forward kernel
 
-_WHICH = (0, -1)  # the outputs' row operands: q (Aqk), then k itself (Akk)
-
-
 def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     """Raw forward kernel: ``(Aqk bf16, Akk fp32)`` ``[B, H, Tp, C]`` (see :func:`gated_scores`).
 
@@ -261,7 +258,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         for x_s in (q_s, k_s):
             dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(k_s.at[:, ch]).astype(F32), axis=1)
                       for ch in chs)
-            scores.append(jnp.where(rows == cols, gates.rows(dot, (CHUNK, CHUNK)), 0.0))
+            scores.append(jnp.where(rows == cols, per_row(dot, (CHUNK, CHUNK)), 0.0))
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
 
         def split_g():
@@ -272,8 +269,8 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
             row_operands = []  # [tile][output]
             for t, ch in enumerate(chs):
                 er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s, [part.at[t] for part in g_parts])
-                row_operands.append(_scaled_operands(kind, _WHICH, er, ec, [q_s.at[:, ch]], k_s.at[:, ch],
-                                                     bp_s.at[t], br_s.at[t], [ap_s.at[t]]))
+                row_operands.append(_scaled_operands(kind, er, ec, q_s.at[:, ch], k_s.at[:, ch], bp_s.at[t],
+                                                     br_s.at[t], ap_s.at[t]))
             plgpu.commit_smem()
             keep = _pairs(lg, kind == BOUNDED)
             return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(row_operands[t][o], bp_s.at[t].T)
@@ -314,7 +311,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
     ms at (8, 4096, 16, 128), six exact levels).
     """
     nb, tp, h, dk = q.shape
-    no, nh = len(_WHICH), dk // KT
+    no, nh = 2, dk // KT  # outputs (Aqk, Akk), channel tiles
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                 jax.ShapeDtypeStruct(g.shape, F32))
     dss = (daqk, dakk)
@@ -358,7 +355,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
             er, ec = _level_decays(kind, lg, g_s, p_s, g_parts)
-            lhs_p = _scaled_operands(kind, _WHICH, er, ec, [q_s], k_s, bp_s, br_s, [ap_s])
+            lhs_p = _scaled_operands(kind, er, ec, q_s, k_s, bp_s, br_s, ap_s)
             keep = _pairs(lg, kind == BOUNDED)
             for o in range(no):
                 dsl_s[o][...] = masked_ds(o, keep).astype(BF16)
@@ -374,14 +371,14 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dg = qv * dq + kv * dk_row - kv * db
             # Diagonal (no decay): dS[r, r] k_r and dS[r, r] q_r (or k_r).
             diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-            w_qk, w_kk = (gates.rows(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
+            w_qk, w_kk = (per_row(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
             factors = gates.gate_factors(g_s, mask_refs, bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
-            dq, dk, dg = gates.gate_chain(dq, dk, dg, q_s, k_s, factors, d_products,
-                                     load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
-                                     (p_s, bp_s, ap_s))  # free once the levels are done
+            dq, dk, dg = gates.gate_chain(dq, dk, dg, qv, kv, factors, d_products,
+                                          load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
+                                          (p_s, bp_s, ap_s))  # free once the levels are done
             dq_ref.at[bi, tok, hi, ch][...] = dq.astype(dq_ref.dtype)
             dk_ref.at[bi, tok, hi, ch][...] = dk.astype(dk_ref.dtype)
             dg_ref.at[bi, hi, tok, ch][...] = dg

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels._mgpu import (BF16, COL, F32, ROW, column_tiles, iota, kernel, load, matmul,
-                                  shared_lowering, store_split, tiles)
+from pallas_kernels._mgpu import (BF16, COL, F32, ROW, column_tiles, iota, kernel, load, matmul, per_col,
+                                  per_row, shared_lowering, store_split, tiles)
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
@@ -96,9 +96,9 @@ def _diagonal_blocks_inverse(l_s, s_s):
     for j in range(BLOCK - 1):      # static pivots: row j of every block is final
         pivot = None
         for b in range(CHUNK // BLOCK):
-            row = lax.broadcast_in_dim(load(s_s.at[BLOCK * b + j], COL), tile, (1,))
+            row = per_col(load(s_s.at[BLOCK * b + j], COL), tile)
             pivot = row if pivot is None else jnp.where(block == b, row, pivot)
-        coef = lax.broadcast_in_dim(jnp.sum(jnp.where(cols == j, ldiag, 0.0), axis=1), tile, (0,))
+        coef = per_row(jnp.sum(jnp.where(cols == j, ldiag, 0.0), axis=1), tile)
         s = jnp.where(offset > j, s - coef * pivot, s)
         s_s[...] = s
         plgpu.commit_smem()         # the next pivot row is read back by other threads
@@ -157,7 +157,7 @@ def _view(ref, at: _Chunk, cols, token_major: bool = False):
 
 def _beta_rows(beta_ref, at: _Chunk):
     """``[C, C]`` fp32, ``beta_r`` across row ``r``: scales any ``[C, 64]`` tile row-wise."""
-    return lax.broadcast_in_dim(load(beta_ref.at[at.b, at.h, at.tok], ROW), FULL, (0,))
+    return per_row(load(beta_ref.at[at.b, at.h, at.tok], ROW), FULL)
 
 
 def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):

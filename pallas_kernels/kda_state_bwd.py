@@ -25,7 +25,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, products, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, per_row, products, tiles
 from pallas_kernels.kda_state_fwd import BLOCK_V
 
 
@@ -70,7 +70,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
             du_ref.at[bi, hi, pl.ds(n * c, c), cols][...] = dvt
             dvt_s[...] = dvt.astype(BF16)
             plgpu.commit_smem()
-            decay = lax.broadcast_in_dim(load(gam_ref.at[bi, hi, n], ROW), (dk, bv), [0])
+            decay = per_row(load(gam_ref.at[bi, hi, n], ROW), (dk, bv))
             kept = ds * decay + read
             return kept - matmul((dk, bv), (w_s.at[slot].T, dvt_s))
 

@@ -19,7 +19,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, products, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, per_row, products, tiles
 
 BLOCK_V = 64
 
@@ -79,7 +79,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, pl.ds(n * c, c), hi, cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = lax.broadcast_in_dim(load(gam_s.at[slot], ROW), (dk, bv), [0])
+            decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
             return s * decay + update
 
         s = lax.fori_loop(0, nc, step, s0)

@@ -37,6 +37,10 @@ ours_profile() {  # what benchmarks/kda.py --profile /tmp/prof left of ours: top
   python3 benchmarks/profile_top.py /tmp/prof/ours_pallas --top 40 > "$OUT/profile_top.jsonl" 2>&1
   cp /tmp/prof/ours_pallas/hlo.txt.gz "$OUT/ours_pallas_hlo.txt.gz" 2>/dev/null
 }
+kda_gpu_tests() {  # every case of the KDA GPU test module
+  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+}
 kda() {  # one GPU: the default path's GPU tests, ours and jla at one shape with a profile, parts
   part kda_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
     python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
@@ -50,8 +54,7 @@ kda() {  # one GPU: the default path's GPU tests, ours and jla at one shape with
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
 kda_full() {  # one GPU: every KDA GPU test, the scores kernels alone, a profile of ours
-  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  kda_gpu_tests
   part kda_scores_parts 70 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda_scores.py \
     --variants kernels,exact_exp,exact_levels --out "$OUT/kda_scores.jsonl"
   part kda_profile 80 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
@@ -66,8 +69,7 @@ kda_peers() {  # one GPU: all four shapes, ours and jla in one process, then fla
     --shapes 1,8192,16,128 --out "$OUT/kda.jsonl"
 }
 kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes (profile: the first), registers
-  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  kda_gpu_tests
   part kda_ours 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas \
     --shapes ${SHAPES:-8,4096,16,128 1,8192,16,128 2,8192,64,128 1,32768,16,128} --profile /tmp/prof \
     --out "$OUT/kda.jsonl"
@@ -78,8 +80,7 @@ kda_dev() {  # one GPU: every KDA GPU test, ours at all four shapes (profile: th
   grep '^{' "$OUT/kda_scores_parts.log" > "$OUT/kda_scores_parts.jsonl"; rm "$OUT/kda_scores_parts.log"
 }
 kda_final() {  # one GPU: every KDA GPU test, then ours and jla at all four shapes (profile: the first)
-  part kda_gpu_tests 200 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py
+  kda_gpu_tests
   part kda_bench 290 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas,jla \
     --profile /tmp/prof --out "$OUT/kda.jsonl"
   ours_profile
