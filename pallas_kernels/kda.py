@@ -64,7 +64,7 @@ def _state_pass_bwd(chunk_size, interpret, res, cts):
     dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, do,
                                                   dfinal.astype(jnp.float32), chunk_size=chunk_size,
                                                   interpret=interpret)
-    return _bf16(dqg), _bf16(dkg), _bf16(dw), du, _bf16(daqk), dgam, dh0
+    return dqg, dkg, dw, du, daqk, dgam, dh0
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)

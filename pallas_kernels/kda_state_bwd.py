@@ -1,4 +1,4 @@
-"""The serial KDA state pass over chunks, backward: a Mosaic GPU recurrence and batched products.
+"""The serial KDA state pass over chunks, backward: a Mosaic GPU recurrence, then the per-chunk products.
 
 Reverse-mode of :func:`pallas_kernels.kda_state_fwd.state_fwd` (reference: ``jax.vjp`` of
 :func:`pallas_kernels.kda_prep.state_pass_reference`). With ``S`` the state entering a chunk (saved by
@@ -9,10 +9,11 @@ the forward), ``Vt`` its saved ``U - W S`` and ``dS`` the gradient of the state 
     dAqk = dO Vt^T      dQg = dO S^T      dKg = Vt dS^T      dW = -dVt S^T
     dgamma = rowsum(S * dS)
 
-Only the first two lines are serial. The Mosaic kernel runs them (one CTA, one warpgroup, per
-``(value tile of 64 columns, head, batch)``, chunks last to first, ``dS`` in fp32 registers) and
-saves each chunk's ``dS`` (bf16, as the forward saves ``S``); the last two lines are independent
-per chunk and run afterwards as batched bf16 products with fp32 accumulation, over all value
+Only the first two lines are serial. The recurrence kernel runs them (one CTA, one warpgroup, per
+``(value tile of 64 columns, head, batch)``, chunks last to first, ``dS`` in fp32 registers, the
+chunk's inputs by TMA one chunk ahead) and saves each chunk's ``dS`` and ``dVt`` (bf16, as the
+forward saves ``S`` and ``Vt``; ``dVt`` also in fp32, the gradient of ``U``); the last two lines are
+independent per chunk and run afterwards in :mod:`pallas_kernels.kda_state_grads`, over all value
 columns at once. (A kernel doing all of it per chunk took ~14 us a chunk on the H200 against ~4 for
 the forward: 1.19 of 2.98 ms at (1, 8192, 16, 128), where 16 heads leave most SMs idle.)
 """
@@ -22,31 +23,32 @@ from __future__ import annotations
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, per_row, products, tiles
 from pallas_kernels.kda_state_fwd import BLOCK_V
+from pallas_kernels.kda_state_grads import state_grads
 
 
 def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, interpret: bool):
-    """The serial kernel: ``(du [B, H, Tp, V] fp32, dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
+    """The serial kernel: ``(du [B, H, Tp, V] fp32 and bf16, dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
     b, h, tp, dk = qg.shape
     dv, c = do.shape[-1], chunk_size
     nc, bv = tp // c, BLOCK_V
     sds = jax.ShapeDtypeStruct
-    out_type = (sds((b, h, tp, dv), F32), sds((b, h, nc, dk, dv), BF16), sds((b, h, dk, dv), F32))
+    out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
+                sds((b, h, dk, dv), F32))
 
-    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dst_ref, dh0_ref,
-             qg_s, kg_s, w_s, a_s, do_s, ds_s, dvt_s, bars):
+    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dub_ref, dst_ref, dh0_ref,
+             qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, dvt_s, du_s, bars):
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
 
         def fetch(n, slot):
             tok = pl.ds(n * c, c)
             srcs = (qg_ref.at[bi, hi, tok], kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok],
-                    a_ref.at[bi, hi, tok], do_ref.at[bi, tok, hi, cols])
-            copy_all(srcs, (qg_s, kg_s, w_s, a_s, do_s), slot, bars.at[slot])
+                    a_ref.at[bi, hi, tok], do_ref.at[bi, tok, hi, cols], gam_ref.at[bi, hi, n])
+            copy_all(srcs, (qg_s, kg_s, w_s, a_s, do_s, gam_s), slot, bars.at[slot])
 
         fetch(nc - 1, 0)
         ds0 = load(df_ref.at[bi, hi, :, cols])
@@ -60,17 +62,20 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
                 fetch(n - 1, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's dS store has read ds_s
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read dS, dVt
             ds_s[...] = ds.astype(BF16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ds_s, dst_ref.at[bi, hi, n, :, cols])
+            plgpu.copy_smem_to_gmem(ds_s, dst_ref.at[bi, hi, n, :, cols], commit_group=False)
             # Qg^T dO does not need dVt: issued with it, waited for once.
             dvt, read = products(((c, bv), (a_s.at[slot].T, do_s.at[slot]), (kg_s.at[slot], ds_s)),
                                  ((dk, bv), (qg_s.at[slot].T, do_s.at[slot])))
-            du_ref.at[bi, hi, pl.ds(n * c, c), cols][...] = dvt
             dvt_s[...] = dvt.astype(BF16)
+            du_s[...] = dvt
             plgpu.commit_smem()
-            decay = per_row(load(gam_ref.at[bi, hi, n], ROW), (dk, bv))
+            for src, dst in ((du_s, du_ref), (dvt_s, dub_ref)):
+                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
             kept = ds * decay + read
             return kept - matmul((dk, bv), (w_s.at[slot].T, dvt_s))
 
@@ -82,41 +87,19 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
         tiles((2, c, dk)), tiles((2, c, dk)), tiles((2, c, dk)),  # qg, kg, w
         tiles((2, c, c)),  # aqk
         tiles((2, c, bv)),  # do
+        plgpu.SMEM((2, dk), F32),  # gamma
         tiles((dk, bv)),  # dS (bf16 operand, and what is saved)
         tiles((c, bv)),  # dVt (bf16 operand)
-        plgpu.Barrier(num_arrivals=5, num_barriers=2),
+        tiles((c, bv), F32),  # dVt (fp32, what is saved as dU)
+        plgpu.Barrier(num_arrivals=6, num_barriers=2),
     )
     run = kernel(body, "kda_state_bwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), scratch_types=scratch)
     return run(qg, kg, w, aqk, gamma, do, dfinal)
 
 
-def _chunk_products(states, dstates, vt, du, do, chunk_size: int):
-    """The per-chunk products (module docstring), bf16 operands, fp32 accumulation:
-    ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C], dgamma [B, H, NC, K])``."""
-    b, h, nc, dk, dv = states.shape
-    c = chunk_size
-
-    def chunks(x):  # [B, H, Tp, V] -> [B, H, NC, C, V]
-        return x.reshape(b, h, nc, c, dv)
-
-    do_c = jnp.moveaxis(do.reshape(b, nc, c, h, dv), 3, 1)  # from [B, Tp, H, V]
-    vt_c, dvt_c = chunks(vt), chunks(du.astype(BF16))
-
-    def product(spec, x, y):
-        return jnp.einsum(spec, x, y, preferred_element_type=F32)
-
-    flat = lambda x: x.reshape(b, h, nc * c, x.shape[-1])  # noqa: E731
-    dqg = product("bhncv,bhnkv->bhnck", do_c, states)
-    daqk = product("bhncv,bhnjv->bhncj", do_c, vt_c)
-    dkg = product("bhncv,bhnkv->bhnck", vt_c, dstates)
-    dw = -product("bhncv,bhnkv->bhnck", dvt_c, states)
-    dgamma = product("bhnkv,bhnkv->bhnk", states, dstates)
-    return flat(dqg), flat(dkg), flat(dw), flat(daqk), dgamma
-
-
 def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int, interpret: bool = False):
-    """Run the backward state pass.
+    """Run the backward state pass: the serial kernel, then :func:`pallas_kernels.kda_state_grads.state_grads`.
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  aqk: ``[B, H, Tp, C]`` bf16.  gamma: ``[B, H, NC, K]`` fp32.
@@ -124,9 +107,9 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).  dfinal: ``[B, H, K, V]`` fp32.
 
     Returns:
-      ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C], dgamma [B, H, NC, K], du [B, H, Tp, V],
-      dh0 [B, H, K, V])``, all fp32.
+      ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16, ``dgamma [B, H, NC, K],
+      du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
-    du, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, chunk_size=chunk_size,
-                                        interpret=interpret)
-    return (*_chunk_products(states, dstates, vt, du, do, chunk_size), du, dh0)
+    du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, chunk_size=chunk_size,
+                                             interpret=interpret)
+    return (*state_grads(states, dstates, vt, dvt, do, interpret=interpret), du, dh0)

@@ -1,15 +1,19 @@
 """Mosaic GPU kernel: the serial KDA state pass over chunks, forward (SPEC 3.3).
 
-Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA (one warpgroup) per
-``(value tile of 64 columns, head, batch)`` walks the chunks in order with the state
-``S [K, 64]`` in fp32 registers. Per chunk (operands bf16 in SMEM, fp32 accumulation on WGMMA):
+Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per ``(value tile of 64
+columns, head, batch)`` walks the chunks in order. Per chunk (operands bf16 in SMEM, fp32
+accumulation on WGMMA):
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
 
-The chunk's inputs arrive by TMA one chunk ahead (two SMEM slots). ``O`` leaves in the caller's
+Only the first and last products are serial, so the CTA's two warpgroups split them: warpgroup 0
+carries ``S [K, 64]`` in fp32 registers and publishes each chunk's ``S`` and ``Vt`` (bf16 SMEM, two
+chunks in flight); warpgroup 1 computes ``O`` from them meanwhile. At 16 heads, where one CTA per
+chain leaves most SMs idle, the chain's step time is the kernel's time, and ``O`` was a third of it.
+Each warpgroup's inputs arrive by TMA one chunk ahead (two SMEM slots). ``O`` leaves in the caller's
 layout and dtype (bf16 ``[B, Tp, H, V]``), so XLA neither transposes nor converts it. For the
-backward it stores the state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt`` (bf16,
-``[B, H, Tp, V]``).
+backward warpgroup 0 stores the state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt``
+(bf16, ``[B, H, Tp, V]``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, per_row, products, tiles
+from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, finish_together, kernel, load, matmul, per_row, tiles
 
 BLOCK_V = 64
 
@@ -42,60 +46,83 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
                 jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16), jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, st_ref, vt_ref,
-             qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, bars):
-        bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+             qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done):
+        bi, hi, vi, wg = (lax.axis_index(n) for n in ("b", "h", "v", "wg"))
         cols = pl.ds(vi * bv, bv)
 
-        def fetch(n, slot):
-            tok, bar = pl.ds(n * c, c), bars.at[slot]
-            srcs = (qg_ref.at[bi, hi, tok], kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok],
-                    u_ref.at[bi, hi, tok, cols], a_ref.at[bi, hi, tok], gam_ref.at[bi, hi, n])
-            copy_all(srcs, (qg_s, kg_s, w_s, u_s, a_s, gam_s), slot, bar)
+        @pl.when(wg == 0)
+        def _():  # the state: Vt = U - W S, S <- gamma S + Kg^T Vt
+            def fetch(n, slot):
+                tok = pl.ds(n * c, c)
+                srcs = (kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok], u_ref.at[bi, hi, tok, cols],
+                        gam_ref.at[bi, hi, n])
+                copy_all(srcs, (kg_s, w_s, u_s, gam_s), slot, state_in.at[slot])
 
-        fetch(0, 0)
-        s0 = load(h0_ref.at[bi, hi, :, cols])
+            def step(n, s):
+                slot = lax.rem(n, 2)
+                pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
+                plgpu.barrier_wait(state_in.at[slot])
+                pl.when(n >= 2)(lambda: plgpu.barrier_wait(free.at[slot]))  # chunk n-2's outputs read it
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # so have chunk n-2's stores
+                s_s.at[slot][...] = s.astype(BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols], commit_group=False)
+                vt = load(u_s.at[slot]) - matmul((c, bv), (w_s.at[slot], s_s.at[slot]))
+                vt_s.at[slot][...] = vt.astype(BF16)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot])
+                plgpu.copy_smem_to_gmem(vt_s.at[slot], vt_ref.at[bi, hi, pl.ds(n * c, c), cols],
+                                        commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
+                return s * decay + matmul((dk, bv), (kg_s.at[slot].T, vt_s.at[slot]))
 
-        def step(n, s):
-            slot = lax.rem(n, 2)
+            fetch(0, 0)
+            s = lax.fori_loop(0, nc, step, load(h0_ref.at[bi, hi, :, cols]))
+            fin_ref.at[bi, hi, :, cols][...] = s
+            for n in range(max(nc - 2, 0), nc):  # observe the outputs' last arrivals
+                plgpu.barrier_wait(free.at[n % 2])
+            plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(n + 1 < nc)
-            def _():
-                fetch(n + 1, 1 - slot)
+        @pl.when(wg == 1)
+        def _():  # the outputs, off the state's path: O = Qg S + Aqk Vt
+            def fetch(n, slot):
+                tok = pl.ds(n * c, c)
+                copy_all((qg_ref.at[bi, hi, tok], a_ref.at[bi, hi, tok]), (qg_s, a_s), slot, out_in.at[slot])
 
-            plgpu.barrier_wait(bars.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores have read s_s, vt_s, o_s
-            s_s[...] = s.astype(BF16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_s, st_ref.at[bi, hi, n, :, cols], commit_group=False)
-            # Two rounds of WGMMAs, each pair issued together and waited for once: W S with Qg S,
-            # then Aqk Vt with Kg^T Vt (O is off the state's critical path).
-            ws, o = products(((c, bv), (w_s.at[slot], s_s)), ((c, bv), (qg_s.at[slot], s_s)))
-            vt = load(u_s.at[slot]) - ws
-            vt_s[...] = vt.astype(BF16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(vt_s, vt_ref.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
-            o_vt, update = products(((c, bv), (a_s.at[slot], vt_s)), ((dk, bv), (kg_s.at[slot].T, vt_s)))
-            o_s[...] = (o + o_vt).astype(BF16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[bi, pl.ds(n * c, c), hi, cols], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
-            return s * decay + update
+            def step(n, carry):
+                slot = lax.rem(n, 2)
+                pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
+                plgpu.barrier_wait(out_in.at[slot])
+                plgpu.barrier_wait(ready.at[slot])
+                o = matmul((c, bv), (qg_s.at[slot], s_s.at[slot]), (a_s.at[slot], vt_s.at[slot]))
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n-2's store has read o_s[slot]
+                o_s.at[slot][...] = o.astype(BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s.at[slot], o_ref.at[bi, pl.ds(n * c, c), hi, cols])
+                return carry
 
-        s = lax.fori_loop(0, nc, step, s0)
-        fin_ref.at[bi, hi, :, cols][...] = s
-        plgpu.wait_smem_to_gmem(0)
+            fetch(0, 0)
+            lax.fori_loop(0, nc, step, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        finish_together(done)
 
     scratch = (
         tiles((2, c, dk)), tiles((2, c, dk)), tiles((2, c, dk)),  # qg, kg, w
-        plgpu.SMEM((2, c, bv), F32),  # u
+        tiles((2, c, bv), F32),  # u
         tiles((2, c, c)),  # aqk
         plgpu.SMEM((2, dk), F32),  # gamma
-        tiles((dk, bv)),  # state entering the chunk
-        tiles((c, bv)),  # vt
-        plgpu.SMEM((c, bv), BF16),  # o
-        plgpu.Barrier(num_arrivals=6, num_barriers=2),
+        tiles((2, dk, bv)),  # state entering the chunk (two chunks in flight)
+        tiles((2, c, bv)),  # vt
+        tiles((2, c, bv)),  # o
+        plgpu.Barrier(num_arrivals=4, num_barriers=2),  # the state's inputs
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the outputs' inputs
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # S and Vt of a chunk are in SMEM
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # the outputs are done reading them
+        plgpu.Barrier(num_arrivals=2),  # both warpgroups are done (finish_together)
     )
     run = kernel(body, "kda_state_fwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
-                 grid_names=("v", "h", "b"), scratch_types=scratch)
+                 grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
     return run(qg, kg, w, u, aqk, gamma, h0)

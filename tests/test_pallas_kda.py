@@ -18,6 +18,7 @@ from pallas_kernels.kda import kda_pallas, supports
 from pallas_kernels.kda_prep import prepare, state_pass_reference
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import state_fwd
+from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
@@ -86,7 +87,7 @@ def test_state_kernels_match_plain_jax(dv):
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one and two
     value tiles."""
-    args, _, _ = kda_bf16_case(1, 1, 128, 1, 64, dv, "lower_bound")
+    args, _, _ = kda_bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")  # five chunks: both slots reused
     p = prepare(*args[:5], scale=0.125, chunk_size=64)
     p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
                    aqk=bf16_rounded(p.aqk))
@@ -108,8 +109,24 @@ def test_state_kernels_match_plain_jax(dv):
         assert rel_rms(r, x) <= BF16_GRAD_QKV_TOL
 
 
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128)])
+def test_state_grads_kernel_matches_its_products(dk, dv):
+    """The per-chunk products kernel against the same einsums in plain JAX, on shared bf16 operands
+    (so only the bf16 rounding of the kernel's outputs separates them), two heads and two batch rows
+    so a wrong chunk, head or row index fails."""
+    b, h, nc, c = 2, 2, 3, 64
+    keys = jax.random.split(jax.random.PRNGKey(7), 5)
+    shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv), (b, nc * c, h, dv))
+    ins = [jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
+    got = state_grads(*ins, interpret=True)
+    want = chunk_products_reference(*ins)
+    for name, r, x in zip(("dqg", "dkg", "dw", "daqk", "dgamma"), want, got):
+        assert x.shape == r.shape, name
+        assert rel_rms(r, x.astype(jnp.float32)) <= BF16_OUT_TOL, (name, rel_rms(r, x.astype(jnp.float32)))
+
+
 def test_state_kernels_lower_for_cuda():
-    """Both state kernels pass Mosaic GPU's lowering for an sm_90 target at benchmark sizes
+    """The state kernels (the backward's two included) pass Mosaic GPU's lowering for an sm_90 target at benchmark sizes
     (K = V = 128, 64 chunks; the interpreter accepts layouts and copies that do not lower)."""
     b, h, nc, d, c = 2, 4, 64, 128, 64
     sd = jax.ShapeDtypeStruct
