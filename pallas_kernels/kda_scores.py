@@ -55,8 +55,10 @@ Exponentials use Mosaic's approximate math (``ex2.approx``, ~2 ulp in fp32, far 
 operands' rounding): on the H200 4-7% faster per kernel.
 
 Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles of 64 (``K`` in
-{64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout, ``G`` head-major,
-in plain SMEM; the scaled operands of each level are written to swizzled bf16 SMEM tiles for WGMMA.
+{64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout into swizzled
+SMEM tiles (a plain row-major tile puts the rows one load touches on the same banks), ``G`` head-major
+into plain SMEM (its anchor rows are read one row at a time, which Mosaic lowers only from untiled
+SMEM); the scaled operands of each level are written to swizzled bf16 SMEM tiles for WGMMA.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def _scaled_operands(kind: str, er, ec, q_ref, k_ref, kp_ref, kr_ref, qp_ref):
 
     ``k E_col`` goes to ``kp_ref`` (both outputs' column operand) and ``q E_row`` to ``qp_ref``; ``k``
     as Akk's row operand is ``kp_ref`` itself where both factors are ``E``, else ``k E_row`` in
-    ``kr_ref`` (bounded level). ``q_ref``, ``k_ref``: the tile's plain SMEM inputs.
+    ``kr_ref`` (bounded level). ``q_ref``, ``k_ref``: the tile's SMEM inputs.
     """
     kvals = load(k_ref).astype(F32)
     kp_ref[...] = (kvals * ec).astype(BF16)
@@ -286,7 +288,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         _by_chunk_kind(flags_ref, level, tuple(scores), store, split_g)
 
     scratch = (
-        plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), BF16), plgpu.SMEM((CHUNK, dk), F32),  # q, k, G
+        tiles((CHUNK, dk)), tiles((CHUNK, dk)), plgpu.SMEM((CHUNK, dk), F32),  # q, k (swizzled), G (plain)
         tiles((nh, CHUNK, KT)),  # k times the column factor, per channel tile
         tiles((nh, CHUNK, KT)),  # q times the row factor
         plgpu.Barrier(num_arrivals=3),
@@ -389,7 +391,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
 
     per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (
-        per_tile(BF16), per_tile(BF16), per_tile(F32),  # q, k, G (plain)
+        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), per_tile(F32),  # q, k (swizzled), G (plain)
         *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
         tiles((nh, CHUNK, KT)),  # k times the column factor, one per warpgroup
         tiles((nh, CHUNK, KT)),  # q times the row factor
