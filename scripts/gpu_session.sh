@@ -6,6 +6,7 @@
 #   bash scripts/gpu_session.sh kda_peers        # any kind, GPU 0: all four shapes, ours vs jla, fla
 #   bash scripts/gpu_session.sh kda_dev          # any kind, GPU 0: all KDA GPU tests, ours at 4 shapes
 #   bash scripts/gpu_session.sh kda_final        # any kind, GPU 0: all KDA GPU tests, ours vs jla
+#   bash scripts/gpu_session.sh kda_side         # any kind, GPU 0: ours, jla and fla in one process
 #   bash scripts/gpu_session.sh two              # two H200s: MoE GPU tests, 1-vs-2-GPU step, dispatches
 #   bash scripts/gpu_session.sh one CORPUS_DIR   # one H200: step breakdown, k3_small training
 #
@@ -86,6 +87,11 @@ kda_final() {  # one GPU: every KDA GPU test, then ours and jla at all four shap
   ours_profile
   python3 benchmarks/profile_top.py /tmp/prof/jla --top 20 > "$OUT/profile_jla.jsonl" 2>&1
 }
+kda_side() {  # one GPU: ours, jla and fla side by side in one process at one shape (SHAPE)
+  # fla's Triton autotuning takes minutes on its first shape: one shape fits a device call.
+  part kda_side 400 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py --impls ours_pallas,jla,fla \
+    --shapes "${SHAPE:-1,8192,16,128}" --out "$OUT/kda.jsonl"
+}
 moe() {  # two GPUs: grouped-matmul and dispatch GPU tests, then the target (ring step, 1 vs 2 GPUs)
   part gmm_gpu_tests 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA \
     tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py
@@ -124,8 +130,11 @@ kda_dev)
   kda_dev ;;
 kda_final)
   peers; kda_final ;;
+kda_side)
+  peers; kda_side ;;
 *)
-  echo "usage: gpu_session.sh kda | kda_full | kda_peers | kda_dev | kda_final | two | one CORPUS_DIR" >&2; exit 2 ;;
+  echo "usage: gpu_session.sh kda | kda_full | kda_peers | kda_dev | kda_final | kda_side | two | one CORPUS_DIR" >&2
+  exit 2 ;;
 esac
 # One archive: the device tool brings back only a few files per call.
 tar -czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz"
