@@ -12,7 +12,8 @@ chunked form of SPEC 3.3, in three parts:
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd`: the reverse recurrence (Mosaic GPU kernel), then
-   the per-chunk products of the state gradients (batched, bf16 operands, fp32 accumulation).
+   the per-chunk products of the state gradients (:mod:`pallas_kernels.kda_state_grads`, one Mosaic
+   GPU kernel over all chunks, bf16 operands, fp32 accumulation).
 
 Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains them with the VJPs of part
 1's kernels (each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k, v,
