@@ -165,6 +165,34 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
 
 
+def _fp32_case(seed, t, d):
+    """fp32 q, k, v off the bf16 grid (the kernels round them to bf16 tensor-core operands)."""
+    args, do, dfin = kda_bf16_case(seed, 1, t, 1, d, d, "lower_bound")
+    noise = jax.random.split(jax.random.PRNGKey(seed + 100), 3)
+    q, k, v = (x + 1e-3 * jax.random.normal(key, x.shape) for x, key in zip(args[:3], noise))
+    assert not bool(jnp.all(bf16_rounded(q) == q))
+    return (q, k, v, *args[3:]), do, dfin
+
+
+def test_kda_pallas_fp32_inputs():
+    """fp32 q, k, v off the bf16 grid go through the kernels as they are (q, k rounded to bf16 for
+    the scores, v read in fp32 by the WY kernels): o comes back fp32, every gradient in its input's
+    dtype, all within SPEC 10's bf16 tolerances of the fp32 recurrence (bf16 operands bound them)."""
+    args, do, dfin = _fp32_case(4, 90, 64)
+    ref = lambda *a: kda_reference(*a[:5], scale=0.125, initial_state=a[5])  # noqa: E731
+    ker = lambda *a: kda_pallas(*a[:5], scale=0.125, initial_state=a[5], output_final_state=True,  # noqa: E731
+                                interpret=True)
+    (ro, rf), (o, f) = ref(*args), ker(*args)
+    assert o.dtype == jnp.float32
+    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+    rg = jax.grad(_loss(ref, do, dfin), argnums=tuple(range(6)))(*args)
+    kg = jax.grad(_loss(ker, do, dfin), argnums=tuple(range(6)))(*args)
+    for name, r, x in zip(NAMES, rg, kg):
+        assert x.dtype == jnp.float32, name
+        tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
+
+
 def test_bad_inputs_raise_and_supports_is_fail_closed():
     q = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
     v = jnp.zeros((1, 8, 1, 48), jnp.bfloat16)

@@ -60,6 +60,35 @@ def test_values_and_gradients_on_gpu(d, t, gate, segments, scores, solve):
         assert e <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, e)
 
 
+def test_fp32_inputs_on_gpu():
+    """fp32 q, k, v off the bf16 grid through the kernels as they are (K = 128, T = 1000): o in fp32,
+    every gradient in fp32, values and gradients within SPEC 10's bf16 tolerances (bf16 operands)."""
+    args, do, dfin = kda_bf16_case(11, 2, 1000, 4, 128, 128, "lower_bound")
+    noise = jax.random.split(jax.random.PRNGKey(12), 3)
+    args = (*(x + 1e-3 * jax.random.normal(key, x.shape) for x, key in zip(args[:3], noise)), *args[3:])
+    scale = 128**-0.5
+
+    def ref(q, k, v, g, beta, h0):
+        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0)
+
+    def ker(q, k, v, g, beta, h0):
+        return kda_pallas(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] * do) + jnp.sum(fn(*a)[1] * dfin)
+
+    (ro, rf), (o, f) = jax.jit(ref)(*args), jax.jit(ker)(*args)
+    assert o.dtype == jnp.float32
+    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
+    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
+    errs = {n: rel_rms(r, x) for n, r, x in zip(NAMES, rg, kg)}
+    print("fp32 inputs o", rel_rms(ro, o), "final", rel_rms(rf, f), errs)
+    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+    for n, x in zip(NAMES, kg):
+        assert x.dtype == jnp.float32, n
+        assert errs[n] <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, errs[n])
+
+
 def test_repeatable_on_gpu():
     """Two runs on the same inputs agree bit for bit (a race would move the result)."""
     args, _, _ = kda_bf16_case(3, 1, 4096, 8, 128, 128, "lower_bound")
