@@ -389,9 +389,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish,
                        lambda: store_split(load(g_s), g_parts))
 
-    per_tile = lambda dtype: plgpu.SMEM((nh, CHUNK, KT), dtype)  # noqa: E731
     scratch = (
-        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), per_tile(F32),  # q, k (swizzled), G (plain)
+        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), plgpu.SMEM((nh, CHUNK, KT), F32),  # q, k; G plain
         *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
         tiles((nh, CHUNK, KT)),  # k times the column factor, one per warpgroup
         tiles((nh, CHUNK, KT)),  # q times the row factor

@@ -31,7 +31,8 @@ from pallas_kernels.kda_state_grads import state_grads
 
 
 def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, interpret: bool):
-    """The serial kernel: ``(du [B, H, Tp, V] fp32 and bf16, dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
+    """The serial kernel: ``(du [B, H, Tp, V] fp32, dvt`` (the same values in bf16, the products'
+    operand), ``dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
     b, h, tp, dk = qg.shape
     dv, c = do.shape[-1], chunk_size
     nc, bv = tp // c, BLOCK_V
@@ -39,7 +40,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
     out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
                 sds((b, h, dk, dv), F32))
 
-    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dub_ref, dst_ref, dh0_ref,
+    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dvt_ref, dst_ref, dh0_ref,
              qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, dvt_s, du_s, bars):
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
@@ -72,7 +73,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
             dvt_s[...] = dvt.astype(BF16)
             du_s[...] = dvt
             plgpu.commit_smem()
-            for src, dst in ((du_s, du_ref), (dvt_s, dub_ref)):
+            for src, dst in ((du_s, du_ref), (dvt_s, dvt_ref)):
                 plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))

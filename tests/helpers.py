@@ -77,6 +77,19 @@ def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str
     return (q, k, v, bf16_rounded(g), bf16_rounded(beta), h0), do, dfin
 
 
+def kda_fp32_case(seed: int, b: int, t: int, h: int, dk: int, dv: int):
+    """:func:`kda_bf16_case` (lower-bound gate) with q, k, v moved off the bf16 grid by ~1e-3 noise:
+    fp32 inputs that a kernel with bf16 tensor-core operands has to round."""
+    import jax
+    import jax.numpy as jnp
+
+    args, do, dfin = kda_bf16_case(seed, b, t, h, dk, dv, "lower_bound")
+    noise = jax.random.split(jax.random.PRNGKey(seed + 100), 3)
+    q, k, v = (x + 1e-3 * jax.random.normal(key, x.shape) for x, key in zip(args[:3], noise))
+    assert not bool(jnp.all(bf16_rounded(q) == q))
+    return (q, k, v, *args[3:]), do, dfin
+
+
 def kda_correlated_keys_case(t: int = 128, d: int = 64):
     """Nearly parallel keys, ``beta = 0.99`` and almost no decay (bf16 grid): the strictly lower
     ``L`` of a chunk has entries near 1 and ``L^32`` reaches ~1e16 although ``(I + L)^-1`` stays

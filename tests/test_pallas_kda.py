@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case
+from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case, kda_fp32_case
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
@@ -30,29 +30,31 @@ def _loss(fn, do, dfin):
     return f
 
 
-def _check_all(args, seg, do, dfin, **paths):
-    """``kda_pallas`` (interpreted; its default paths unless ``paths`` picks others) against the
-    reference: values and all six gradients within SPEC 10's bf16 tolerances."""
+def _bf16(x):
+    return x.astype(jnp.bfloat16)
+
+
+def _check_all(args, seg, do, dfin, inputs=_bf16, **paths):
+    """``kda_pallas`` (interpreted; its default paths unless ``paths`` picks others) on ``inputs`` of
+    q, k, v (bf16 unless given) against the reference: values and all six gradients within SPEC
+    10's bf16 tolerances, o in the inputs' dtype and every gradient in its argument's."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
     ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                      segment_ids=seg)
-    ker = lambda q, k, v, g, beta, h0: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale,
+    ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta, scale=scale,
                                                   initial_state=h0, segment_ids=seg, output_final_state=True,
                                                   interpret=True, **paths)
     (ro, rf), (o, f) = ref(*args), ker(*args)
-    assert o.dtype == jnp.bfloat16 and o.shape == ro.shape
+    assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
     assert rel_rms(rf, f) <= BF16_OUT_TOL
     rg = jax.grad(_loss(ref, do, dfin), argnums=tuple(range(6)))(*args)
     kg = jax.grad(_loss(ker, do, dfin), argnums=tuple(range(6)))(*args)
-    for name, r, x in zip(NAMES, rg, kg):
+    for name, a, r, x in zip(NAMES, args, rg, kg):
+        assert x.dtype == a.dtype, name
         tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
-
-
-def _bf16(x):
-    return x.astype(jnp.bfloat16)
 
 
 def test_prep_matches_reference_fp32_softplus_segments():
@@ -111,23 +113,26 @@ def test_state_kernels_match_plain_jax(dv):
 
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128)])
 def test_state_grads_kernel_matches_its_products(dk, dv):
-    """The per-chunk products kernel against the same einsums in plain JAX, on shared bf16 operands
-    (so only the bf16 rounding of the kernel's outputs separates them), two heads and two batch rows
-    so a wrong chunk, head or row index fails."""
+    """The per-chunk products kernel against the same einsums in plain JAX, on shared bf16 operands,
+    two heads and two batch rows so a wrong chunk, head or row index fails. The four bf16 outputs
+    are held to SPEC 10's bf16 output tolerance (their rounding), fp32 ``dgamma`` to FP32_TOL (the
+    same sums in another order)."""
     b, h, nc, c = 2, 2, 3, 64
     keys = jax.random.split(jax.random.PRNGKey(7), 5)
     shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv), (b, nc * c, h, dv))
     ins = [jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
     got = state_grads(*ins, interpret=True)
     want = chunk_products_reference(*ins)
-    for name, r, x in zip(("dqg", "dkg", "dw", "daqk", "dgamma"), want, got):
+    tols = (BF16_OUT_TOL,) * 4 + (FP32_TOL,)
+    for name, r, x, tol in zip(("dqg", "dkg", "dw", "daqk", "dgamma"), want, got, tols):
         assert x.shape == r.shape, name
-        assert rel_rms(r, x.astype(jnp.float32)) <= BF16_OUT_TOL, (name, rel_rms(r, x.astype(jnp.float32)))
+        assert rel_rms(r, x.astype(jnp.float32)) <= tol, (name, rel_rms(r, x.astype(jnp.float32)))
 
 
 def test_state_kernels_lower_for_cuda():
-    """The state kernels (the backward's two included) pass Mosaic GPU's lowering for an sm_90 target at benchmark sizes
-    (K = V = 128, 64 chunks; the interpreter accepts layouts and copies that do not lower)."""
+    """The state kernels (the backward's two included) pass Mosaic GPU's lowering for an sm_90
+    target at benchmark sizes (K = V = 128, 64 chunks; the interpreter accepts layouts and copies
+    that do not lower)."""
     b, h, nc, d, c = 2, 4, 64, 128, 64
     sd = jax.ShapeDtypeStruct
     rows = lambda n, dt: sd((b, h, nc * c, n), dt)  # noqa: E731
@@ -165,32 +170,12 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
 
 
-def _fp32_case(seed, t, d):
-    """fp32 q, k, v off the bf16 grid (the kernels round them to bf16 tensor-core operands)."""
-    args, do, dfin = kda_bf16_case(seed, 1, t, 1, d, d, "lower_bound")
-    noise = jax.random.split(jax.random.PRNGKey(seed + 100), 3)
-    q, k, v = (x + 1e-3 * jax.random.normal(key, x.shape) for x, key in zip(args[:3], noise))
-    assert not bool(jnp.all(bf16_rounded(q) == q))
-    return (q, k, v, *args[3:]), do, dfin
-
-
 def test_kda_pallas_fp32_inputs():
     """fp32 q, k, v off the bf16 grid go through the kernels as they are (q, k rounded to bf16 for
-    the scores, v read in fp32 by the WY kernels): o comes back fp32, every gradient in its input's
-    dtype, all within SPEC 10's bf16 tolerances of the fp32 recurrence (bf16 operands bound them)."""
-    args, do, dfin = _fp32_case(4, 90, 64)
-    ref = lambda *a: kda_reference(*a[:5], scale=0.125, initial_state=a[5])  # noqa: E731
-    ker = lambda *a: kda_pallas(*a[:5], scale=0.125, initial_state=a[5], output_final_state=True,  # noqa: E731
-                                interpret=True)
-    (ro, rf), (o, f) = ref(*args), ker(*args)
-    assert o.dtype == jnp.float32
-    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
-    rg = jax.grad(_loss(ref, do, dfin), argnums=tuple(range(6)))(*args)
-    kg = jax.grad(_loss(ker, do, dfin), argnums=tuple(range(6)))(*args)
-    for name, r, x in zip(NAMES, rg, kg):
-        assert x.dtype == jnp.float32, name
-        tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
-        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
+    the scores, v read in fp32 by the WY kernels): o comes back fp32, all within SPEC 10's bf16
+    tolerances of the fp32 recurrence (the bf16 tensor-core operands bound the error)."""
+    args, do, dfin = kda_fp32_case(4, 1, 90, 1, 64, 64)
+    _check_all(args, None, do, dfin, inputs=lambda x: x)
 
 
 def test_bad_inputs_raise_and_supports_is_fail_closed():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import kda_bf16_case
+from helpers import kda_bf16_case, kda_fp32_case
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_reference import kda_reference
@@ -19,6 +19,40 @@ from pallas_kernels.kda import kda_pallas, supports
 
 pytestmark = pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+def _bf16(x):
+    return x.astype(jnp.bfloat16)
+
+
+def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16, **paths):
+    """``kda_pallas`` on ``inputs`` of q, k, v (bf16 unless given) against the fp32 recurrence, both
+    jitted: values and all six gradients within SPEC 10's bf16 tolerances, o in the inputs' dtype,
+    every gradient in its argument's; prints the errors under ``label``."""
+    scale = args[0].shape[-1] ** -0.5
+
+    def ref(q, k, v, g, beta, h0):
+        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+
+    def ker(q, k, v, g, beta, h0):
+        return kda_pallas(inputs(q), inputs(k), inputs(v), g, beta, scale=scale, initial_state=h0,
+                          segment_ids=seg, output_final_state=True, **paths)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do) + jnp.sum(fn(*a)[1] * dfin)
+
+    ro, rf = jax.jit(ref)(*args)
+    o, f = jax.jit(ker)(*args)
+    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
+    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
+    errs = {n: rel_rms(r, x) for n, r, x in zip(NAMES, rg, kg)}
+    print(label, "o", rel_rms(ro, o), "final", rel_rms(rf, f), errs)
+    assert o.dtype == inputs(args[0]).dtype
+    assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
+    assert rel_rms(rf, f) <= BF16_OUT_TOL, rel_rms(rf, f)
+    for n, a, x in zip(NAMES, args, kg):
+        assert x.dtype == a.dtype, n
+        assert errs[n] <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, errs[n])
 
 
 @pytest.mark.parametrize("d,t,gate,segments,scores,solve", [
@@ -33,60 +67,16 @@ def test_values_and_gradients_on_gpu(d, t, gate, segments, scores, solve):
     args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
     seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1) if segments
            else None)
-    scale = d**-0.5
-    bf16 = lambda x: x.astype(jnp.bfloat16)
-    assert supports(bf16(args[0]), bf16(args[1]), bf16(args[2]), args[3], args[4], initial_state=args[5],
+    assert supports(_bf16(args[0]), _bf16(args[1]), _bf16(args[2]), args[3], args[4], initial_state=args[5],
                     segment_ids=seg)
-
-    def ref(q, k, v, g, beta, h0):
-        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
-
-    def ker(q, k, v, g, beta, h0):
-        return kda_pallas(bf16(q), bf16(k), bf16(v), g, beta, scale=scale, initial_state=h0, segment_ids=seg,
-                          output_final_state=True, scores=scores, solve=solve)
-
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do) + jnp.sum(fn(*a)[1] * dfin)
-
-    ro, rf = jax.jit(ref)(*args)
-    o, f = jax.jit(ker)(*args)
-    assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
-    assert rel_rms(rf, f) <= BF16_OUT_TOL, rel_rms(rf, f)
-    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
-    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
-    errs = {n: rel_rms(r, x) for n, r, x in zip(NAMES, rg, kg)}
-    print(d, t, gate, segments, scores, solve, "o", rel_rms(ro, o), "final", rel_rms(rf, f), errs)
-    for n, e in errs.items():
-        assert e <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, e)
+    _check_on_gpu((d, t, gate, segments, scores, solve), args, do, dfin, seg, scores=scores, solve=solve)
 
 
 def test_fp32_inputs_on_gpu():
-    """fp32 q, k, v off the bf16 grid through the kernels as they are (K = 128, T = 1000): o in fp32,
-    every gradient in fp32, values and gradients within SPEC 10's bf16 tolerances (bf16 operands)."""
-    args, do, dfin = kda_bf16_case(11, 2, 1000, 4, 128, 128, "lower_bound")
-    noise = jax.random.split(jax.random.PRNGKey(12), 3)
-    args = (*(x + 1e-3 * jax.random.normal(key, x.shape) for x, key in zip(args[:3], noise)), *args[3:])
-    scale = 128**-0.5
-
-    def ref(q, k, v, g, beta, h0):
-        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0)
-
-    def ker(q, k, v, g, beta, h0):
-        return kda_pallas(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
-
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0] * do) + jnp.sum(fn(*a)[1] * dfin)
-
-    (ro, rf), (o, f) = jax.jit(ref)(*args), jax.jit(ker)(*args)
-    assert o.dtype == jnp.float32
-    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
-    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
-    errs = {n: rel_rms(r, x) for n, r, x in zip(NAMES, rg, kg)}
-    print("fp32 inputs o", rel_rms(ro, o), "final", rel_rms(rf, f), errs)
-    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
-    for n, x in zip(NAMES, kg):
-        assert x.dtype == jnp.float32, n
-        assert errs[n] <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, errs[n])
+    """fp32 q, k, v off the bf16 grid through the kernels as they are (K = 128, T = 1000, 2 x 4
+    heads): o and every gradient in fp32, within SPEC 10's bf16 tolerances (bf16 operands)."""
+    args, do, dfin = kda_fp32_case(11, 2, 1000, 4, 128, 128)
+    _check_on_gpu("fp32 inputs", args, do, dfin, inputs=lambda x: x)
 
 
 def test_repeatable_on_gpu():
