@@ -72,7 +72,9 @@ def _maxvio(plt, runs: dict, path: Path) -> bool:
 
 
 def _depth_order(key: str) -> tuple:
-    """Sort key: numbers compare as numbers (layer_10 after layer_9); the final read comes last."""
+    """Sort key in depth order: numbers compare as numbers (layer_10 after layer_9), a layer's
+    mixer reads before its FFN, the final read comes last."""
+    key = key.replace("residual_mixer", "residual_0").replace("residual_ffn", "residual_1")
     parts = re.split(r"(\d+)", key)
     return (key.startswith("diag/final"), [int(p) if p.isdigit() else p for p in parts])
 
