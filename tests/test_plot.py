@@ -12,9 +12,10 @@ from k3jax.train.metrics import MetricsWriter, flatten
 
 def _tiny_diag() -> dict:
     cfg = model_config()
-    variables = init_variables(cfg, jax.random.key(0))
+    variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    _, mut = K3Model(cfg).apply(variables, tokens, mutable=["diagnostics"])
+    apply = jax.jit(lambda v, t: K3Model(cfg).apply(v, t, mutable=["diagnostics"]))
+    _, mut = apply(variables, tokens)
     return cfg, flatten(mut["diagnostics"], "diag/")
 
 

@@ -65,6 +65,8 @@ def test_python_block_runs(index, monkeypatch, tmp_path):
     runpy.run_path(str(script), run_name="__main__")
 
 
+# runpy warns when the module was imported before (by another test): harmless for a parse.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import:RuntimeWarning")
 @pytest.mark.parametrize("argv", _commands(), ids=lambda argv: " ".join(argv[:3]))
 def test_bash_command_parses(argv, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
