@@ -1,11 +1,23 @@
 # Two entry points a fresh machine needs: `make train` (the main job) and `make test`.
 # Both create the Python 3.12 virtual environment on first use.
+#
+# The GPU targets (bench-kda, bench-moe, bench-train, test-gpu) run on a CUDA machine with the
+# system `python3` (jax, flax, optax, orbax, chex, torch and triton installed; no .venv). Each
+# writes JSON lines and logs to $(OUT) if set, else runs/bench/; docs/benchmarks.md holds the figures.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test bench-kda clean
+BENCH_OUT := $(or $(OUT),runs/bench)
+GPU_ENV := PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# Date, GPUs and commit of every GPU run, beside its results (a tree exported without .git can
+# name its commit in a COMMIT file).
+RECORD_ENV = mkdir -p $(BENCH_OUT) && { date -u; nvidia-smi \
+  --query-gpu=name,memory.total,driver_version --format=csv; \
+  cat COMMIT 2>/dev/null || git rev-parse HEAD; } > $(BENCH_OUT)/env.txt 2>&1
+
+.PHONY: venv train test bench-kda bench-moe bench-train test-gpu clean
 
 venv: $(STAMP)
 
@@ -23,6 +35,52 @@ train: $(STAMP)
 # The whole suite; GPU-only tests skip themselves on a machine without one.
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+
+# One Hopper GPU: the KDA op, forward and forward+backward, ours and jax-linear-attention at the
+# four benchmark shapes in one process, then fla at (1, 8192, 16, 128) (its Triton autotuning takes
+# minutes a shape). Peers come from wheels in .whl/ (scripts/install_peers.sh); ARGS="--shapes
+# B,T,H,D ..." picks other shapes.
+bench-kda:
+	@$(RECORD_ENV)
+	set -o pipefail; peers=$$(scripts/install_peers.sh $(BENCH_OUT)/pip.log); \
+	  export $(GPU_ENV) CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$$peers:$(CURDIR); \
+	  python3 benchmarks/kda.py --impls ours_pallas,jla --out $(BENCH_OUT)/kda.jsonl \
+	    $(ARGS) 2>&1 | tee $(BENCH_OUT)/kda.log; \
+	  python3 benchmarks/kda.py --impls fla --shapes 1,8192,16,128 --out $(BENCH_OUT)/kda.jsonl \
+	    2>&1 | tee $(BENCH_OUT)/kda_fla.log
+
+# Two Hopper GPUs: the 4-block MoE step on one GPU and on two (dropless ring dispatch and a
+# capacity factor of 1.125, Mosaic grouped matmuls, layers unrolled), then the routed part alone
+# per dispatch.
+bench-moe:
+	@$(RECORD_ENV)
+	set -o pipefail; export $(GPU_ENV) PYTHONPATH=$(CURDIR); \
+	  python3 benchmarks/moe.py --skip grouped_matmul,dispatch --dispatches ring,ring@1.125 \
+	    --step-gmm mosaic --stacks unrolled --iters 5 --repeats 3 --out $(BENCH_OUT)/moe.jsonl \
+	    2>&1 | tee $(BENCH_OUT)/moe_step.log; \
+	  python3 benchmarks/moe.py --skip grouped_matmul,step --dispatches ring,all_to_all \
+	    --gmm mosaic --iters 5 --repeats 3 --out $(BENCH_OUT)/moe.jsonl \
+	    2>&1 | tee $(BENCH_OUT)/moe_dispatch.log
+
+# One GPU: each sub-layer kind, the optimiser and the whole step of k3_small timed at its
+# micro-batch, then 30 training steps of k3_small (tokens/s, MFU, first-step compile time in the
+# run's metrics.jsonl). CORPUS=DIR trains on a corpus built by `python -m k3jax.data build`.
+bench-train:
+	@$(RECORD_ENV)
+	set -o pipefail; export $(GPU_ENV) CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$(CURDIR); \
+	  rm -rf $(BENCH_OUT)/k3_small; \
+	  python3 benchmarks/step_breakdown.py 2>&1 | tee $(BENCH_OUT)/step_breakdown.log \
+	    | grep '^{' > $(BENCH_OUT)/step_breakdown.jsonl; \
+	  python3 train.py --config configs/k3_small.py --workdir $(BENCH_OUT)/k3_small \
+	    $(if $(CORPUS),--set data.data_dir=$(CORPUS)) --set train.steps=30 --set eval.batches=2 \
+	    --set eval.tasks= --set eval.every=1000 --set checkpoint.every=1000 \
+	    2>&1 | tee $(BENCH_OUT)/k3_small.log
+
+# Every GPU test file at real sizes (the two-GPU dispatch tests skip themselves on one GPU).
+test-gpu:
+	@$(RECORD_ENV)
+	set -o pipefail; $(GPU_ENV) PYTHONPATH=$(CURDIR) JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py \
+	  tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py 2>&1 | tee $(BENCH_OUT)/test_gpu.log
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

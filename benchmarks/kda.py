@@ -3,7 +3,7 @@
 One JSON line per (implementation, shape) with forward and forward+backward median milliseconds,
 each peer's time over ours, and our achieved TFLOP/s and GB/s against the H200 roofline.
 
-Inputs (issue 6): bf16 q, k, v (q, k L2-normalised before timing, so no implementation pays for
+Inputs: bf16 q, k, v (q, k L2-normalised before timing, so no implementation pays for
 it), lower-bound gate ``g = -5 sigmoid(f)`` in fp32, ``beta = sigmoid(.)``, no initial state,
 chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls after compilation
 (host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).

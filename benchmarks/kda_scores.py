@@ -1,7 +1,7 @@
 """Where the KDA scores kernels spend their time: the kernel pair alone, and with parts taken out.
 
-The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) take more time on the H200 than
-their loads, stores and WGMMAs account for (docs/benchmarks.md). This times the forward kernel
+The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) are bound by latency rather than
+by their loads, stores and WGMMAs: to see which part costs what, this times the forward kernel
 (``Aqk`` and ``Akk``) and the backward kernel (with the gates' chain rule) alone at one shape, jitted, median of 5 x 10 calls, for:
 
 - ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes

@@ -4,16 +4,26 @@ Conventions (SPEC 3.3, 6): a matmul with ``n`` weights costs ``2n`` FLOPs per to
 count ``top_k / num_experts`` of their weights as active; the input embedding is a lookup and is
 excluded from "active"; the untied head counts. A training step is three forwards (forward plus a
 backward twice its cost), the usual MFU convention.
+
+    python -m k3jax.accounting --config configs/k3_small.py [--seq-len T] [--json]
+
+prints a preset's parameter, FLOP-per-token and cache tables (``--config`` also takes a preset's
+name, e.g. ``k3_full``); ``--json`` prints one JSON object per row instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from k3jax.config import ModelConfig
+from k3jax.config import ConfigError, ModelConfig
+from k3jax.config.experiment import load_config
 from k3jax.model import abstract_variables, logical_axes
 
 
@@ -43,7 +53,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     active_routed = 0
     if cfg.moe is not None and routed:
         active_routed = routed * cfg.moe.top_k / cfg.moe.num_experts
-    active = int(round(total - routed + active_routed - embedding))
+    active = round(total - routed + active_routed - embedding)
     return ParamCounts(total=total, active=active, embedding=embedding, routed_experts=routed)
 
 
@@ -70,13 +80,15 @@ def mla_core_flops(cfg: ModelConfig, seq_len: int) -> float:
     return 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * seq_len / 2
 
 
+def mixer_flops_per_token(cfg: ModelConfig, seq_len: int, kda_convention: str = "paper") -> float:
+    """Forward FLOPs per token of the sequence mixers' cores (KDA recurrence, MLA attention)."""
+    return sum(kda_core_flops(cfg, kda_convention) if t == "kda" else mla_core_flops(cfg, seq_len)
+               for t in cfg.layer_types)
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, kda_convention: str = "paper") -> float:
     """Forward FLOPs per token: weight matmuls of the active parameters plus the sequence mixers."""
-    counts = count_params(cfg)
-    matmul = 2.0 * counts.active
-    mixers = sum(kda_core_flops(cfg, kda_convention) if t == "kda" else mla_core_flops(cfg, seq_len)
-                 for t in cfg.layer_types)
-    return matmul + mixers
+    return 2.0 * count_params(cfg).active + mixer_flops_per_token(cfg, seq_len, kda_convention)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, kda_convention: str = "paper") -> float:
@@ -94,3 +106,104 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
     """Fixed fp32 KDA state per sequence over all KDA layers (SPEC 9): ``H K V * 4`` each."""
     k = cfg.kda
     return cfg.layer_types.count("kda") * k.num_heads * k.head_dim * k.head_dim * 4
+
+
+KDA_CONVENTIONS = ("paper", "implemented")
+_PRESETS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def accounting_rows(cfg: ModelConfig, seq_len: int) -> list[dict]:
+    """Every figure of the three tables as rows ``{"table": ..., ...}`` (nothing allocated)."""
+    counts = count_params(cfg)
+    rows = [{"table": "params", "total": counts.total, "active": counts.active,
+             "embedding": counts.embedding, "routed_experts": counts.routed_experts}]
+    for convention in KDA_CONVENTIONS:
+        fwd = 2.0 * counts.active + mixer_flops_per_token(cfg, seq_len, convention)
+        rows.append({"table": "flops_per_token", "kda_convention": convention, "seq_len": seq_len,
+                     "forward": fwd, "train": 3.0 * fwd})
+    latent = kv_cache_bytes_per_token(cfg)
+    rows.append({"table": "cache", "seq_len": seq_len,
+                 "mla_layers": cfg.layer_types.count("mla"),
+                 "kda_layers": cfg.layer_types.count("kda"),
+                 "mla_latent_bytes_per_token": latent,
+                 "mla_latent_bytes_per_sequence": latent * seq_len,
+                 "kda_state_bytes_per_sequence": kda_state_bytes(cfg)})
+    return rows
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_tables(name: str, rows: list[dict]) -> str:
+    """The rows of :func:`accounting_rows` as three plain-text tables."""
+    params = rows[0]
+    flops = [r for r in rows if r["table"] == "flops_per_token"]
+    cache = rows[-1]
+    lines = [f"{name}: parameters",
+             f"  total           {params['total']:>18,}  ({_si(params['total'])})",
+             f"  active          {params['active']:>18,}  ({_si(params['active'])})",
+             f"  embedding       {params['embedding']:>18,}",
+             f"  routed experts  {params['routed_experts']:>18,}",
+             "",
+             f"{name}: FLOPs per token at seq_len {flops[0]['seq_len']}",
+             f"  {'KDA convention':<16}{'forward':>12}{'train (3x)':>14}"]
+    lines += [f"  {r['kda_convention']:<16}{_si(r['forward']):>12}{_si(r['train']):>14}"
+              for r in flops]
+    sizes = (("MLA latent (bf16), per token", cache["mla_latent_bytes_per_token"]),
+             (f"MLA latent, per {cache['seq_len']}-token sequence",
+              cache["mla_latent_bytes_per_sequence"]),
+             ("KDA state (fp32), per sequence", cache["kda_state_bytes_per_sequence"]))
+    layers = f"{cache['mla_layers']} MLA, {cache['kda_layers']} KDA layers"
+    lines += ["", f"{name}: inference cache ({layers})"]
+    lines += [f"  {label:<40}{_bytes(n)}" for label, n in sizes]
+    return "\n".join(lines)
+
+
+def _preset_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.is_file() or path.suffix == ".py":
+        return path
+    return _PRESETS / f"{preset}.py"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3jax.accounting",
+                                     description="Parameters, FLOPs per token and cache sizes "
+                                                 "of a preset (shapes only, nothing allocated).")
+    parser.add_argument("--config", required=True,
+                        help="preset file (configs/k3_small.py) or preset name (k3_small)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="context for MLA's FLOPs and cache (default: the preset's data.seq_len)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    args = parser.parse_args(argv)
+    try:
+        experiment = load_config(_preset_path(args.config))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seq_len = experiment.data.seq_len if args.seq_len is None else args.seq_len
+    if seq_len <= 0:
+        print(f"error: --seq-len={seq_len} is invalid: expected a positive integer",
+              file=sys.stderr)
+        return 2
+    rows = accounting_rows(experiment.model, seq_len)
+    if args.json:
+        print("\n".join(json.dumps({"config": args.config, **r}) for r in rows))
+    else:
+        print(format_tables(Path(args.config).stem, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,12 +4,14 @@
 
 Writes PNGs (matplotlib, Agg backend): ``loss.png`` and ``bpb.png`` (train and held-out curves of
 every run), ``maxvio.png`` (MaxVio per MoE layer over training, when the model has MoE) and
-``attnres_depth.png`` (the latest AttnRes depth-attention weights as a heatmap, when present).
+``attnres_depth_RUN.png`` (each run's latest AttnRes depth-attention weights: one row per sub-layer's
+read, one column per source, when the model uses AttnRes).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -69,35 +71,58 @@ def _maxvio(plt, runs: dict, path: Path) -> bool:
     return drawn
 
 
+def _depth_order(key: str) -> tuple:
+    """Sort key in depth order: numbers compare as numbers (layer_10 after layer_9), a layer's
+    mixer reads before its FFN, the final read comes last."""
+    key = key.replace("residual_mixer", "residual_0").replace("residual_ffn", "residual_1")
+    parts = re.split(r"(\d+)", key)
+    return (key.startswith("diag/final"), [int(p) if p.isdigit() else p for p in parts])
+
+
+def depth_weight_rows(record: dict) -> tuple[list[str], np.ndarray]:
+    """One row per AttnRes read: its depth-attention weights over the sources, in depth order.
+
+    Each sub-layer's rule logs ``diag/.../depth_weights`` as ``[N + 1]`` (slot 0 the embedding,
+    slot ``i`` block ``i``; zero for blocks not yet begun); a scanned layer group logs
+    ``[repeats, N + 1]``, one row per repeat. Returns the row labels and a ``[rows, N + 1]`` array.
+    """
+    labels, rows = [], []
+    for key in sorted((k for k in record if k.startswith("diag/")
+                       and k.endswith("/depth_weights")), key=_depth_order):
+        arr = np.asarray(record[key], dtype=float)
+        name = key[len("diag/"):-len("/depth_weights")]
+        arr2 = arr.reshape(-1, arr.shape[-1])
+        for r, row in enumerate(arr2):
+            labels.append(name if arr.ndim == 1 else f"{name}[{r}]")
+            rows.append(row)
+    return labels, np.stack(rows) if rows else np.zeros((0, 0))
+
+
 def _depth_heatmaps(plt, runs: dict, out: Path) -> list[Path]:
-    """The newest diagnostic arrays whose name mentions depth/attnres weights, one PNG each."""
+    """The newest AttnRes depth weights of each run as one heatmap (reads x sources)."""
     written = []
     for name, records in runs.items():
-        latest = next((r for r in reversed(records) if any(
-            k.startswith("diag/") for k in r)), None)
+        latest = next((r for r in reversed(records)
+                       if any(k.endswith("/depth_weights") for k in r)), None)
         if latest is None:
             continue
-        for key, value in latest.items():
-            low = key.lower()
-            if not key.startswith("diag/") or not any(s in low for s in ("depth", "attnres",
-                                                                           "weight", "alpha")):
-                continue
-            arr = np.asarray(value, dtype=float)
-            if arr.ndim < 2:
-                continue
-            arr = arr.reshape(-1, arr.shape[-1])
-            fig, ax = plt.subplots(figsize=(6, 0.3 * arr.shape[0] + 2))
-            im = ax.imshow(arr, aspect="auto", cmap="viridis")
-            fig.colorbar(im, ax=ax)
-            ax.set_xlabel("source (embedding, block outputs ...)")
-            ax.set_ylabel("sub-layer")
-            ax.set_title(f"{name}: {key[5:]} (step {latest['step']})", fontsize=9)
-            fig.tight_layout()
-            safe = "".join(c if c.isalnum() else "_" for c in f"{name}_{key[5:]}")
-            path = out / f"attnres_depth_{safe}.png"
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path)
+        labels, arr = depth_weight_rows(latest)
+        fig, ax = plt.subplots(figsize=(1.2 * arr.shape[1] + 4, 0.3 * arr.shape[0] + 2))
+        im = ax.imshow(arr, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+        fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
+        ax.set_xticks(range(arr.shape[1]),
+                      ["embedding"] + [f"block {i}" for i in range(1, arr.shape[1])])
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_xlabel("source")
+        ax.set_ylabel("AttnRes read (sub-layer)")
+        ax.set_title(f"{name}: AttnRes depth weights ({latest.get('kind', '')} step "
+                     f"{latest['step']})", fontsize=9)
+        fig.tight_layout()
+        safe = "".join(c if c.isalnum() else "_" for c in name)
+        path = out / f"attnres_depth_{safe}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
     return written
 
 

@@ -79,8 +79,8 @@ def _last_row_sums(x, sel_s, parts):
     """``[C, KT]`` fp32: the column sums of ``x`` (fp32 ``[C, KT]``) in the chunk's last row, zeros
     elsewhere, as ``Sel x`` on the tensor cores (``Sel``: ones in its last row; ``x`` in two bf16
     parts, ~16 bits). A sum over rows spans the warpgroup's four warps: Mosaic lowers ``jnp.sum``
-    over axis 0 through one SMEM scratch per kernel, which two warpgroups would share (on the H200
-    it corrupted ``dG`` at K = 128)."""
+    over axis 0 through one SMEM scratch per kernel, which two warpgroups would share: a race that
+    corrupts ``dG`` at K = 128."""
     sel_s[...] = jnp.where(iota((CHUNK, CHUNK), 0) == CHUNK - 1, 1.0, 0.0).astype(BF16)
     store_split(x, parts)
     plgpu.commit_smem()

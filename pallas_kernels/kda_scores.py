@@ -14,8 +14,8 @@ writes as it makes ``G`` (:func:`pallas_kernels.kda_cumsum.cumsum_and_gates`); b
 are zero across a segment start. The backward kernel adds these products' chain rule to the scores'
 gradients and writes ``dq``, ``dk`` once, in the caller's ``[B, T, H, K]`` layout, and ``dG`` for
 the reverse cumsum: no fp32 intermediate of the token-parallel part goes through HBM for XLA to
-combine. (Written by the scores forward kernel instead, the products cost it 0.37 ms at
-(8, 4096, 16, 128) on the H200: one warpgroup per SM, every step's latency exposed.)
+combine. (The cumsum kernel writes them because it is light, with two CTAs per SM; the scores
+forward kernel runs one warpgroup per SM, where every store's latency would be exposed.)
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
 As in :func:`pallas_kernels.kda_prep._tree_scores`, a pair ``r > j`` belongs to exactly one level
@@ -47,12 +47,11 @@ Anchors: each level needs ``G[p(x)]`` for every row. The top level (one anchor r
 bounded level (rows 16 and 48) broadcast their anchor rows. The exact levels below the top form
 them as ``P_s G`` on the tensor cores, with a 0/1 matrix ``P_s`` and ``G`` split into three bf16
 parts (one nonzero product per entry, so exact to fp32 rounding): every such level runs the same
-code, so they are one loop. (A chain of selects over the level's blocks, the first design, needed
-the levels unrolled: kernels 3.7x larger and, on the H200, 1.6x slower forward and 2.2x slower
-backward; docs/benchmarks.md.)
+code, so they are one loop. (A chain of selects over the level's blocks would need the levels
+unrolled: several times the kernel size, and slower.)
 
 Exponentials use Mosaic's approximate math (``ex2.approx``, ~2 ulp in fp32, far inside the bf16
-operands' rounding): on the H200 4-7% faster per kernel.
+operands' rounding), which is faster than the exact ``exp``.
 
 Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles of 64 (``K`` in
 {64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout into swizzled
@@ -235,10 +234,10 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     q, k: ``[B, Tp, H, K]`` bf16 (the caller's layout); g: ``[B, H, Tp, K]`` fp32 (``G``); flags:
     :func:`bounded_chunks` of ``g``; masks: ``()`` or ``(seg, enter, leave)`` ``[B, Tp]``.
 
-    Levels are the outer loop, channel tiles the inner one, one warpgroup. (H200, (8, 4096, 16, 128),
-    six exact levels: 1.64 ms; tiles outermost, which halves the scaled operands' SMEM, 1.72 ms; one
-    warpgroup per output, 2.52 ms: the duplicated decay work costs more than the second warpgroup
-    hides.)"""
+    Levels are the outer loop, channel tiles the inner one, one warpgroup: tiles outermost would
+    halve the scaled operands' SMEM but run slower, and one warpgroup per output (``Aqk``, ``Akk``)
+    would form the decays twice, which costs more than the second warpgroup hides
+    (docs/benchmarks.md has the current times)."""
     nb, tp, h, dk = q.shape
     nh, chs = dk // KT, column_tiles(dk)
     heads_major = lambda d, dt: jax.ShapeDtypeStruct((nb, h, tp, d), dt)  # noqa: E731
@@ -309,8 +308,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
 
     One warpgroup per channel tile (two at K = 128): the tiles are independent given ``dS``, and the
     kernel is bound by the latency of its dependent WGMMA / exp steps, which a second warpgroup on the
-    SM hides (with one warpgroup, its 160 KB of SMEM left room for one CTA per SM; H200: 2.77 -> 2.22
-    ms at (8, 4096, 16, 128), six exact levels).
+    SM hides (with one warpgroup, its 160 KB of SMEM leaves room for one CTA per SM).
     """
     nb, tp, h, dk = q.shape
     no, nh = 2, dk // KT  # outputs (Aqk, Akk), channel tiles

@@ -1,12 +1,19 @@
 """Parameter counts by eval_shape against counts written out by hand from SPEC sections 1, 3, 4."""
 
 import importlib
+import json
 
 import pytest
-
 from helpers import small_config
-from k3jax.accounting import (count_params, forward_flops_per_token, kda_core_flops,
-                              kv_cache_bytes_per_token, kda_state_bytes)
+
+from k3jax.accounting import (
+    count_params,
+    forward_flops_per_token,
+    kda_core_flops,
+    kda_state_bytes,
+    kv_cache_bytes_per_token,
+    mla_core_flops,
+)
 
 
 def _kda_params(d, h, k, conv, rank, out_gate_rank=None):
@@ -86,3 +93,39 @@ def test_routed_experts_count_at_top_k_over_e():
 def test_small_preset_is_in_its_size_band(name):
     total = count_params(importlib.import_module(f"configs.{name}").model_config()).total
     assert 100e6 <= total <= 200e6, total
+
+
+def test_cli_prints_the_three_tables_of_a_preset(capsys):
+    from k3jax.accounting import format_tables, main
+
+    cfg = importlib.import_module("configs.k3_tiny").model_config()
+    assert main(["--config", "k3_tiny", "--seq-len", "256", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_table = {}
+    for r in rows:
+        by_table.setdefault(r["table"], []).append(r)
+    counts = count_params(cfg)
+    assert by_table["params"][0]["total"] == counts.total
+    assert by_table["params"][0]["active"] == counts.active
+    flops = {r["kda_convention"]: r for r in by_table["flops_per_token"]}
+    for convention in ("paper", "implemented"):
+        want = 2 * counts.active + sum(kda_core_flops(cfg, convention) if t == "kda"
+                                       else mla_core_flops(cfg, 256) for t in cfg.layer_types)
+        assert flops[convention]["forward"] == want
+        assert flops[convention]["train"] == 3 * want
+    assert flops["implemented"]["forward"] != flops["paper"]["forward"]
+    cache = by_table["cache"][0]
+    assert cache["mla_latent_bytes_per_token"] == kv_cache_bytes_per_token(cfg)
+    assert cache["mla_latent_bytes_per_sequence"] == 256 * kv_cache_bytes_per_token(cfg)
+    assert cache["kda_state_bytes_per_sequence"] == kda_state_bytes(cfg)
+
+    text = format_tables("k3_tiny", rows)
+    assert f"{counts.total:,}" in text and f"{counts.active:,}" in text
+    assert "seq_len 256" in text and "implemented" in text and "KDA state" in text
+
+
+def test_cli_names_a_missing_preset(capsys):
+    from k3jax.accounting import main
+
+    assert main(["--config", "no_such_preset"]) == 2
+    assert "no_such_preset" in capsys.readouterr().err
