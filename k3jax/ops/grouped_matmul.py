@@ -23,12 +23,15 @@ gradient is jax's ``transposed_ragged_dot_mgpu`` either way: it walks each group
 from __future__ import annotations
 
 import functools
+import typing
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-GROUPED_MATMULS = ("ragged_dot", "mosaic")
+from k3jax.config.moe import GroupedMatmul
+
+GROUPED_MATMULS = typing.get_args(GroupedMatmul)
 # Rows per tile of pallas_kernels.tiled_gmm (its BLOCK_M; a test holds them equal). The kernel
 # module is imported lazily: GPU-only dependencies stay out of CPU imports.
 TILE_ROWS = 128
