@@ -26,7 +26,8 @@ Per device with ``n`` tokens, ``S = n k`` routed slots:
 ``capacity_factor`` (``all_to_all``, ``ring``): ``C = ceil(cf * S / E_p)`` rows per send buffer
 (``all_to_all``) or ``C = ceil(cf * S)`` rows per expert device (``ring``): ``cf = 1`` is the load
 of exactly balanced routing. Slots over capacity contribute nothing; their count (global over the
-mesh, per forward) is returned beside ``y`` (the MoE block sows it as ``diagnostics/dropped_slots``).
+mesh, per forward) is returned beside ``y``; the MoE block sows it as
+``diagnostics/dropped_slots``.
 
 Expert outputs travel back in the compute dtype (``x.dtype``) for ``all_to_all`` and
 ``ragged_all_to_all``; the ring reduces the weighted fp32 sums (its combine happens before the
