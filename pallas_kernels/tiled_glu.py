@@ -11,10 +11,10 @@ pipelines ``BLOCK_N``-column blocks through shared memory and computes in fp32.
 
 Rows of ``-1`` tiles are left unwritten (unspecified), as in the tile matmul that consumes them.
 
-The activation is the caller's ``act``, a hashable static argument (``k3jax.ops.moe_dispatch.GLUSpec``)
-called on fp32 blocks as ``act(gate, up) -> h`` and ``act.vjp(gate, up, dh) -> (dgate, dup)``: the
-kernels own the tile schedule, the activation's math stays with the ops, which call these kernels
-(a kernel module imports nothing from the ops).
+The activation is the caller's ``act``, a hashable static argument (the ops pass their
+``GLUSpec``), called on fp32 blocks as ``act(gate, up) -> h`` and ``act.vjp(gate, up, dh) ->
+(dgate, dup)``: the kernels own the tile schedule and the activation's math stays with the ops,
+which call these kernels (a kernel module imports nothing from the ops).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK_M, BLOCK_N, STAGES = 128, 64, 2
+from pallas_kernels.row_tiles import TILE_ROWS
+
+BLOCK_M, BLOCK_N, STAGES = TILE_ROWS, 64, 2
 
 
 def tiled_glu_reference(gate, up, tile_group, act, dh=None):
