@@ -44,7 +44,7 @@ kda_gpu_tests() {  # every case of the KDA GPU test module
 }
 kda() {  # one GPU: the default path's GPU tests, ours and jla at one shape with a profile, parts
   part kda_tests 150 env CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda \
-    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k "mosaic-mosaic"
+    python3 -m pytest -q -rA -s tests/test_pallas_kda_gpu.py -k values_and_gradients
   part kda_ours 100 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/kda.py \
     --impls ours_pallas,jla --shapes 8,4096,16,128 --profile /tmp/prof --out "$OUT/kda.jsonl"
   ours_profile
