@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import functools
 import gzip
-import inspect
 import os
 import sys
 
@@ -74,10 +73,9 @@ def jax_pair(op, args):
     return time_jax(fwd, args), time_jax(fb, args)
 
 
-def ours(q, k, v, g, beta, **options):
-    """Our Pallas op; ``options`` (``scores``, ``solve``) pick its non-default paths."""
+def ours(q, k, v, g, beta):
     from pallas_kernels.kda import kda_pallas
-    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, **options)[0]
+    return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
 
 
 def chunked(q, k, v, g, beta):
@@ -109,31 +107,26 @@ def fla_pair(args):
             triton.testing.do_bench(fb, return_mode="median", grad_to_none=[tq, tk, tv, tg, tb]))
 
 
-JAX_OPS = {"ours_pallas": ours, "ours_pallas_xla_scores": functools.partial(ours, scores="xla"),
-           "ours_pallas_xla_solve": functools.partial(ours, solve="xla"),
-           "ours_chunked_jax": chunked, "jla": jla_kda}
+JAX_OPS = {"ours_pallas": ours, "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
 def breakdown(args):
-    """Split our forward+backward, on ``kda_pallas``'s default paths, into the token-parallel part and
-    the two state kernels (ms)."""
-    from pallas_kernels.kda import kda_pallas
+    """Split our forward+backward into the token-parallel part and the two state kernels (ms)."""
+    from pallas_kernels._mgpu import CHUNK
     from pallas_kernels.kda_prep import prepare
     from pallas_kernels.kda_state_bwd import state_bwd
     from pallas_kernels.kda_state_fwd import state_fwd
 
-    params = inspect.signature(kda_pallas).parameters  # prepare's own defaults are the XLA paths
-    paths = {name: params[name].default for name in ("scores", "solve")}
-    q, k, v, g, beta = args
+    q, v = args[0], args[2]
     scale = q.shape[-1] ** -0.5
-    prep = lambda *a: prepare(*a, scale=scale, chunk_size=64, **paths)
+    prep = lambda *a: prepare(*a, scale=scale, chunk_size=CHUNK)
     p = jax.jit(prep)(*args)
     bf = lambda x: x.astype(jnp.bfloat16)
     h0 = jnp.zeros(q.shape[:1] + q.shape[2:3] + (q.shape[3], v.shape[3]), jnp.float32)
     kin = (bf(p.qg), bf(p.kg), bf(p.w), p.u, bf(p.aqk), p.gamma, h0)
-    fwd_k = jax.jit(lambda *a: state_fwd(*a, chunk_size=64))
+    fwd_k = jax.jit(lambda *a: state_fwd(*a, chunk_size=CHUNK))
     o, fin, st, vt = fwd_k(*kin)
-    bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=64))
+    bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=CHUNK))
     bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, o, fin)
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
     return {"prep_fwd_ms": time_jax(jax.jit(prep), args), "state_fwd_kernel_ms": time_jax(fwd_k, kin),
@@ -173,10 +166,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D entries")
     ap.add_argument("--impls", default="ours_pallas,jla,fla,ours_chunked_jax",
-                    help="comma-separated subset of ours_pallas, ours_pallas_xla_scores (intra-chunk "
-                         "scores from XLA instead of the Mosaic kernel), ours_pallas_xla_solve (the "
-                         "chunk inverse and W, U by XLA), ours_chunked_jax, jla, fla (run in this "
-                         "order, each over all shapes, so a slow peer last cannot starve the others)")
+                    help="comma-separated subset of ours_pallas, ours_chunked_jax, jla, fla (run "
+                         "in this order, each over all shapes, so a slow peer last cannot starve "
+                         "the others)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
                     help="also time our parts separately at this B,T,H,D (default 8,4096,16,128)")

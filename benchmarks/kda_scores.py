@@ -32,17 +32,18 @@ import jax.numpy as jnp
 
 from _timing import emit, timed
 from pallas_kernels import kda_scores
+from pallas_kernels._mgpu import CHUNK, KT
 
 F32 = jnp.float32
 SCALE = 128**-0.5
 
 
 def _no_anchors(p_ref, parts):
-    return jnp.zeros((kda_scores.CHUNK, kda_scores.KT), F32)
+    return jnp.zeros((CHUNK, KT), F32)
 
 
 def _no_bounded_chunks(g):
-    return jnp.zeros(g.shape[:2] + (g.shape[2] // kda_scores.CHUNK,), jnp.int32)
+    return jnp.zeros(g.shape[:2] + (g.shape[2] // CHUNK,), jnp.int32)
 
 
 _KERNEL = kda_scores.kernel  # the launcher itself: ``exact_exp`` swaps the module's name for it

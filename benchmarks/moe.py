@@ -44,10 +44,9 @@ from k3jax.config.mesh import MeshConfig  # noqa: E402
 from k3jax.layers.moe import MoEBlock  # noqa: E402
 from k3jax.model import SCANNED_COLLECTIONS  # noqa: E402
 from k3jax.ops.balancing import update_balance  # noqa: E402
-from k3jax.ops import moe_dispatch  # noqa: E402
+from k3jax.ops.ep_dispatch import EP_DISPATCHES, ep_dispatch  # noqa: E402
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
-from k3jax.parallel.ep_dispatch import EP_DISPATCHES, ep_dispatch, make_ep_dispatch  # noqa: E402
 from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
 from _timing import emit, timed  # noqa: E402
 
@@ -63,23 +62,18 @@ def split_name(name: str) -> tuple[str, float | None]:
     return kind, (float(cf) if cf else None)
 
 
-def model_config(shape: dict, name: str) -> ModelConfig:
+def model_config(shape: dict, name: str, gmm: str) -> ModelConfig:
+    """The benchmark's model with dispatch ``name``; the expert-parallel dispatches run their
+    experts with the grouped matmul ``gmm``, the single-device ones with ``ragged_dot``."""
     dispatch, cf = split_name(name)
     moe = MoEConfig(capacity_factor=cf, num_experts=shape["num_experts"], top_k=shape["top_k"],
+                    grouped_matmul=gmm if dispatch in EP_DISPATCHES else "ragged_dot",
                     expert_intermediate=shape["expert_intermediate"],
                     latent_dim=shape["latent_dim"],
                     shared_intermediate=shape["shared_intermediate"],
                     balancing="quantile_hist", dispatch=dispatch)
     return ModelConfig(d_model=shape["d_model"], moe=moe, dtype="bfloat16", param_dtype="float32",
                        init_std=0.02)
-
-
-def with_gmm(dispatch: str, gmm: str):
-    """Point the registry's ``dispatch`` at the grouped matmul ``gmm`` (MoEConfig has no field)."""
-    if dispatch in EP_DISPATCHES:
-        moe_dispatch.register_dispatch(
-            dispatch, lambda cfg: make_ep_dispatch(dispatch, cfg.capacity_factor, gmm),
-            overwrite=True)
 
 
 def mesh_of(n: int):
@@ -227,8 +221,7 @@ def bench_step(shape, dispatches, gmm, args, out):
                     emit({**rec, "skipped": "no CPU lowering"}, out)
                     continue
                 try:
-                    with_gmm(split_name(name)[0], gmm)
-                    model = MoEStack(model_config(shape, name), shape["layers"], stack)
+                    model = MoEStack(model_config(shape, name, gmm), shape["layers"], stack)
                     profile = (os.path.join(args.profile, f"{name}_{stack}_{devices}gpu")
                                if args.profile else None)
                     rec["step_ms"], rec["first_step_s"], rec["dropped_fraction"] = run_step(

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+CHUNK = 64  # tokens per chunk of the chunked form: the rows of every KDA kernel's tiles
+HEAD_DIMS = (64, 128)  # the key and value head dims K, V the KDA kernels are built for
 WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile

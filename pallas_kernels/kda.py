@@ -7,8 +7,8 @@ chunked form of SPEC 3.3, in three parts:
    the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma`` and the intra-chunk score matrices
    (:func:`pallas_kernels.kda_scores.gated_scores`) and the chunk inverse with ``W, U``
    (:mod:`pallas_kernels.kda_solve`), Mosaic GPU kernels with their own VJPs that read and write the
-   caller's ``[B, T, H, K]`` layout where it is theirs (``scores="xla"``, ``solve="xla"`` compute the
-   same in XLA). Only padding, the segment masks and ``beta``'s transpose are left to XLA.
+   caller's ``[B, T, H, K]`` layout where it is theirs. Only padding, the segment masks and
+   ``beta``'s transpose are left to XLA.
 2. :func:`pallas_kernels.kda_state_fwd.state_fwd` (Mosaic GPU kernel): the recurrence over chunks
    and the outputs; it saves the per-chunk states and ``Vt`` for the backward.
 3. :func:`pallas_kernels.kda_state_bwd.state_bwd`: the reverse recurrence (Mosaic GPU kernel), then
@@ -29,13 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
-from pallas_kernels._mgpu import shared_lowering
-from pallas_kernels.kda_prep import pad_time, prepare
+from pallas_kernels._mgpu import CHUNK, HEAD_DIMS, shared_lowering
+from pallas_kernels.kda_prep import prepare
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
 
-HEAD_DIMS = (64, 128)
-CHUNK_SIZES = (64,)
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
@@ -87,14 +85,14 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
                          f"got {initial_state.shape}")
     if segment_ids is not None and segment_ids.shape != (b, t):
         raise ValueError(f"kda_pallas: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"kda_pallas: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    if chunk_size != CHUNK:
+        raise ValueError(f"kda_pallas: chunk_size must be {CHUNK}, got {chunk_size}")
     if dk not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"kda_pallas: head dims K, V must be in {HEAD_DIMS}, got K={dk}, V={v.shape[-1]}")
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=64, interpret=False, scores="mosaic", solve="mosaic"):
+               chunk_size=CHUNK, interpret=False):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -104,14 +102,8 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       initial_state: optional ``[B, H, K, V]`` (taken in fp32).
       output_final_state: return the final state (else ``None``).
       segment_ids: optional integer ``[B, T]``; the state restarts from zero where the id changes.
-      chunk_size: 64.
+      chunk_size: the chunk length, only ``CHUNK`` (64).
       interpret: run the kernels in the Mosaic GPU interpreter (CPU tests).
-      scores: how the intra-chunk score matrices are built: ``"mosaic"`` (the Mosaic GPU kernel pair
-        of :mod:`pallas_kernels.kda_scores`, the faster on the H200: docs/benchmarks.md) or ``"xla"``
-        (plain JAX, :func:`pallas_kernels.kda_prep.prepare`).
-      solve: how the chunks' ``T = (I + L)^-1`` and ``W = T (beta Gamma K)``, ``U = T (beta V)`` are
-        formed: ``"mosaic"`` (:func:`pallas_kernels.kda_solve.wy`, one CTA per chunk, forward and
-        backward kernels) or ``"xla"`` (a batched triangular solve and fp32 matmuls).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
@@ -120,7 +112,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
-                scores=scores, solve=solve, interpret=interpret)
+                interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     o, final = _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
@@ -129,7 +121,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     return o, (final if output_final_state else None)
 
 
-def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64) -> bool:
+def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=CHUNK) -> bool:
     """True only for calls the GPU tests cover: an sm_90 GPU, bf16 q/k/v, K and V in {64, 128},
     chunk 64, well-formed shapes (with or without an initial state and segment_ids)."""
     try:
@@ -140,4 +132,4 @@ def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_si
     return dtypes_ok and v.shape[-1] % BLOCK_V == 0 and hopper_gpus()
 
 
-__all__ = ["kda_pallas", "supports", "pad_time"]
+__all__ = ["kda_pallas", "supports"]

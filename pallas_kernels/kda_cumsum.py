@@ -24,11 +24,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import (BF16, F32, KT, SPLITS, column_tiles, iota, kernel, load, matmul,
-                                  shared_lowering, store_split, tiles)
+from pallas_kernels._mgpu import (BF16, CHUNK, F32, KT, SPLITS, column_tiles, iota, kernel, load,
+                                  matmul, shared_lowering, store_split, tiles)
 from pallas_kernels.kda_gates import gate_factors, gated_operands
-
-CHUNK = 64
 
 
 def _chunk_sums(x_s, tri_s, parts, dk):
@@ -137,4 +135,4 @@ def chunk_cumsum_reference(g):
     return jnp.swapaxes(g_cum, 1, 2)
 
 
-__all__ = ["chunk_cumsum_reference", "cumsum_and_gates", "reverse_cumsum", "CHUNK"]
+__all__ = ["chunk_cumsum_reference", "cumsum_and_gates", "reverse_cumsum"]

@@ -23,9 +23,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels._mgpu import BF16, COL, F32, KT, ROW, iota, load, matmul, per_col, per_row, store_split
-
-CHUNK = 64
+from pallas_kernels._mgpu import (BF16, CHUNK, COL, F32, KT, ROW, iota, load, matmul, per_col,
+                                  per_row, store_split)
 
 
 class SegmentMasks(NamedTuple):
@@ -136,4 +135,4 @@ def same_segment_reference(masks: SegmentMasks | None, shape):
 
 
 __all__ = ["SegmentMasks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
-           "gate_products", "same_segment_reference", "CHUNK"]
+           "gate_products", "same_segment_reference"]

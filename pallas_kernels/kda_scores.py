@@ -18,11 +18,10 @@ combine. (The cumsum kernel writes them because it is light, with two CTAs per S
 forward kernel runs one warpgroup per SM, where every store's latency would be exposed.)
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
-As in :func:`pallas_kernels.kda_prep._tree_scores`, a pair ``r > j`` belongs to exactly one level
-``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row blocks: ``r`` in a right block ``[p, p + s)``,
-``j`` in its left sibling ``[p - s, p)``. There the decay factors through the right block's *first*
-row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both factors ``<= 1`` for any gate magnitude. Each row
-``x`` has one anchor per level, ``p(x) = (x & ~(2s - 1)) + s``, and one factor
+A pair ``r > j`` belongs to exactly one level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row
+blocks: ``r`` in a right block ``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the
+decay factors through the right block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both
+factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level, ``p(x) = (x & ~(2s - 1)) + s``, and one factor
 ``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take ``exp(G_x - G_p)``,
 left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA ``(a E) (b E)^T`` (bf16 operands, fp32
 accumulation) over all 64 x 64 pairs, kept only where ``(r, j)`` are siblings at that level. The
@@ -74,8 +73,10 @@ from jax import lax
 from pallas_kernels import kda_gates as gates
 from pallas_kernels._mgpu import (
     BF16,
+    CHUNK,
     COL,
     F32,
+    HEAD_DIMS,
     KT,
     SPLITS,
     WG,
@@ -94,8 +95,6 @@ from pallas_kernels._mgpu import (
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
 from pallas_kernels.kda_gates import SegmentMasks, gate_products, same_segment_reference
 
-CHUNK = 64
-HEAD_DIMS = (64, 128)
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
 BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their row 16
 BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
@@ -507,5 +506,5 @@ def gated_scores_reference(q, k, g, *, scale: float, masks: SegmentMasks | None 
                        *gate_products(qh, kh, g_cum, scale, masks))
 
 
-__all__ = ["gated_scores", "gated_scores_reference", "scores_reference", "bounded_chunks", "GatedScores",
-           "CHUNK", "HEAD_DIMS"]
+__all__ = ["GatedScores", "bounded_chunks", "gated_scores", "gated_scores_reference",
+           "scores_reference"]

@@ -44,10 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels._mgpu import (BF16, COL, F32, ROW, column_tiles, iota, kernel, load, matmul, per_col,
-                                  per_row, shared_lowering, store_split, tiles)
+from pallas_kernels._mgpu import (BF16, CHUNK, COL, F32, ROW, column_tiles, iota, kernel, load,
+                                  matmul, per_col, per_row, shared_lowering, store_split, tiles)
 
-CHUNK = 64
 BLOCK = 16  # rows of a diagonal block inverted by elimination
 FULL = (CHUNK, CHUNK)
 ALL = pl.ds(0, CHUNK)  # every column of an [., C] operand
@@ -330,4 +329,4 @@ def wy(akk, beta, xk, v, *, w_dtype=F32, interpret: bool = False):
     return _wy(akk.astype(F32), beta.astype(F32), xk, v, jnp.dtype(w_dtype), interpret)
 
 
-__all__ = ["CHUNK", "wy", "wy_reference", "unit_lower_inverse_reference"]
+__all__ = ["wy", "wy_reference", "unit_lower_inverse_reference"]

@@ -1,8 +1,8 @@
 """Mosaic GPU kernels: the experts' gated activation and its input gradients on row tiles that each
 belong to one group, skipping tiles that belong to none.
 
-Reference: :func:`tiled_glu_reference` (``k3jax.ops.activations.glu`` and ``glu_vjp`` on the
-tiles that hold a group). The rows are laid out as for :mod:`pallas_kernels.tiled_gmm`: every group
+Reference: :func:`tiled_glu_reference` (the activation and its written-out gradient on the tiles
+that hold a group). The rows are laid out as for :mod:`pallas_kernels.tiled_gmm`: every group
 starts on a multiple of ``BLOCK_M`` rows, so tile ``t`` is one group's or padding past the last
 group (``tile_group[t] == -1``). A dropless expert-parallel buffer is sized for the worst case (up
 to ``E_p`` times its real rows); XLA's elementwise fusions would compute the activation, its
@@ -10,11 +10,14 @@ gradient and their casts on every row, these kernels only on the real tiles. One
 pipelines ``BLOCK_N``-column blocks through shared memory and computes in fp32.
 
 Rows of ``-1`` tiles are left unwritten (unspecified), as in the tile matmul that consumes them.
+
+The activation is the caller's ``act``, a hashable static argument (the ops pass their
+``GLUSpec``), called on fp32 blocks as ``act(gate, up) -> h`` and ``act.vjp(gate, up, dh) ->
+(dgate, dup)``: the kernels own the tile schedule and the activation's math stays with the ops,
+which call these kernels (a kernel module imports nothing from the ops).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -22,21 +25,20 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from k3jax.ops.activations import glu, glu_vjp
+from pallas_kernels.row_tiles import TILE_ROWS
 
-BLOCK_M, BLOCK_N, STAGES = 128, 64, 2
+BLOCK_M, BLOCK_N, STAGES = TILE_ROWS, 64, 2
 
 
-def tiled_glu_reference(gate, up, tile_group, activation: str, beta_gate: float,
-                        beta_up: float, dh=None):
-    """``glu(gate, up)`` (or, given ``dh``, its ``(dgate, dup)``) in fp32, cast to ``gate.dtype``,
+def tiled_glu_reference(gate, up, tile_group, act, dh=None):
+    """``act(gate, up)`` (or, given ``dh``, its ``(dgate, dup)``) in fp32, cast to ``gate.dtype``,
     zero on rows of ``-1`` tiles. ``gate``, ``up``, ``dh`` ``[M, N]``; ``tile_group [M / BLOCK_M]``."""
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     real = (jnp.repeat(tile_group, BLOCK_M) >= 0)[:, None]
     if dh is None:
-        outs = (glu(f32(gate), f32(up), activation, beta_gate, beta_up),)
+        outs = (act(f32(gate), f32(up)),)
     else:
-        outs = glu_vjp(f32(gate), f32(up), f32(dh), activation, beta_gate, beta_up)
+        outs = act.vjp(f32(gate), f32(up), f32(dh))
     outs = tuple(jnp.where(real, o, 0.0).astype(gate.dtype) for o in outs)
     return outs[0] if dh is None else outs
 
@@ -94,25 +96,20 @@ def _run_on_tiles(math, operands, num_out: int, tile_group, name: str, interpret
     return run(tile_group, *operands)
 
 
-def tiled_glu(gate, up, tile_group, *, activation: str, beta_gate: float, beta_up: float,
-              interpret: bool = False):
-    """``glu(gate, up)``: ``gate``, ``up`` ``[M, N]``, ``tile_group [M / BLOCK_M]`` int32 ->
+def tiled_glu(gate, up, tile_group, *, act, interpret: bool = False):
+    """``act(gate, up)``: ``gate``, ``up`` ``[M, N]``, ``tile_group [M / BLOCK_M]`` int32 ->
     ``[M, N]`` in ``gate.dtype`` (rows of ``-1`` tiles unwritten)."""
     check_tiled_glu_args(gate, up, tile_group)
-    math = functools.partial(glu, activation=activation, beta_gate=beta_gate, beta_up=beta_up)
-    (h,) = _run_on_tiles(lambda a, b: (math(a, b),), (gate, up), 1, tile_group, "tiled_glu",
+    (h,) = _run_on_tiles(lambda a, b: (act(a, b),), (gate, up), 1, tile_group, "tiled_glu",
                          interpret)
     return h
 
 
-def tiled_glu_vjp(gate, up, dh, tile_group, *, activation: str, beta_gate: float,
-                  beta_up: float, interpret: bool = False):
+def tiled_glu_vjp(gate, up, dh, tile_group, *, act, interpret: bool = False):
     """``(dgate, dup)`` of :func:`tiled_glu` for output gradient ``dh`` (all ``[M, N]``), in
     ``gate.dtype`` (rows of ``-1`` tiles unwritten)."""
     check_tiled_glu_args(gate, up, tile_group, dh)
-    math = functools.partial(glu_vjp, activation=activation, beta_gate=beta_gate,
-                             beta_up=beta_up)
-    return _run_on_tiles(math, (gate, up, dh), 2, tile_group, "tiled_glu_vjp", interpret)
+    return _run_on_tiles(act.vjp, (gate, up, dh), 2, tile_group, "tiled_glu_vjp", interpret)
 
 
 __all__ = ["BLOCK_M", "BLOCK_N", "check_tiled_glu_args", "tiled_glu", "tiled_glu_reference",

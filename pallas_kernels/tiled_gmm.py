@@ -23,7 +23,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 4
+from pallas_kernels.row_tiles import TILE_ROWS
+
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES = TILE_ROWS, 128, 64, 4
 
 
 def tiled_gmm_reference(x, w, tile_group, *, transpose_rhs: bool = False):

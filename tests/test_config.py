@@ -1,9 +1,13 @@
 """Invalid configs fail on construction with the field, the value and what is allowed."""
 
+import dataclasses
+import typing
+
 import pytest
 
 from k3jax.config import (ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                           ResidualConfig)
+from k3jax.config.experiment import DataConfig, OptimConfig
 
 
 @pytest.mark.parametrize("build,pattern", [
@@ -39,3 +43,17 @@ def test_schedule_and_block_size_units():
 def test_configs_are_frozen():
     with pytest.raises(Exception):
         KDAConfig().num_heads = 3
+
+
+@pytest.mark.parametrize("cls", [KDAConfig, FFNConfig, ResidualConfig, ModelConfig, MoEConfig,
+                                 DataConfig, OptimConfig])
+def test_every_literal_field_is_validated_against_its_literal(cls):
+    """A field annotated ``Literal[...]`` (the one list of its values) rejects anything else."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)
+              if typing.get_origin(hints[f.name]) is typing.Literal]
+    assert fields
+    for name in fields:
+        allowed = ", ".join(map(repr, typing.get_args(hints[name])))
+        with pytest.raises(ConfigError, match=f"{cls.__name__}.{name}='bogus' .*{allowed}"):
+            cls(**{name: "bogus"})

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.grouped_matmul import TILE_ROWS, GMMKernels, kernel_gmm, tile_groups
+from k3jax.ops.grouped_matmul import GMMKernels, kernel_gmm, tile_groups
 from k3jax.ops.moe_dispatch import aligned_rows, group_rows, permute_rows
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import tiled_gmm as tiled
@@ -88,10 +88,6 @@ def test_permute_rows_gradient_is_the_gather_transpose(fan_out):
     grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * cot))(x) for f in (ours, ref)]
     assert rel_rms(grads[1], grads[0]) <= FP32_TOL               # same sums, another order
     assert np.any(np.asarray(grads[1]) != 0)
-
-
-def test_layout_tile_is_the_kernels_tile():
-    assert TILE_ROWS == tiled.BLOCK_M
 
 
 def test_tile_groups_marks_padding_tiles():

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from k3jax.config import ConfigError, ModelConfig, MoEConfig
-from k3jax.layers.moe import MoEBlock
-from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, dense_dispatch, make_dispatch,
-                                    ragged_dispatch, register_dispatch)
+from k3jax.config.moe import Dispatch
+from k3jax.layers.moe import DISPATCHES, MoEBlock, make_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
 from k3jax.ops.routing import aux_balance_loss, route, router_scores
 from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 
@@ -83,12 +85,17 @@ def test_ragged_bf16_against_fp32_dense():
     assert rel_rms(ref, out) <= BF16_OUT_TOL
 
 
-def test_dispatch_registry_errors():
+def test_dispatch_table_names_are_the_config_names_and_errors():
     from types import SimpleNamespace
-    with pytest.raises(ValueError, match="'carrier_pigeon' has no registered implementation"):
+    assert sorted(DISPATCHES) == sorted(typing.get_args(Dispatch))
+    x, ids, w = jnp.ones((4, D)), _skewed_ids(4), jnp.ones((4, K))
+    for name in ("ragged", "dense", "all_to_all", "ring"):   # every one returns (y, dropped)
+        fn = make_dispatch(MoEConfig(num_experts=E, top_k=K, dispatch=name))
+        y, dropped = jax.eval_shape(lambda *a, fn=fn: fn(*a, GLUSpec()), x, ids, w,
+                                    _experts(jax.random.key(0)))
+        assert (y.shape, y.dtype, dropped.shape, dropped.dtype) == (x.shape, x.dtype, (), jnp.int32)
+    with pytest.raises(ValueError, match="'carrier_pigeon' is invalid: expected one of 'ragged'"):
         make_dispatch(SimpleNamespace(dispatch="carrier_pigeon"))
-    with pytest.raises(ValueError, match="already registered"):
-        register_dispatch("ragged", lambda cfg: ragged_dispatch)
     with pytest.raises(ValueError, match="x must be"):
         ragged_dispatch(jnp.zeros((4, D + 1)), jnp.zeros((4, K), jnp.int32), jnp.zeros((4, K)),
                         _experts(jax.random.key(0)), GLUSpec())

@@ -15,7 +15,7 @@ from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case, kda_f
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
-from pallas_kernels.kda_prep import prepare, state_pass_reference
+from pallas_kernels.kda_prep import prepare, prepare_reference, state_pass_reference
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
@@ -34,17 +34,17 @@ def _bf16(x):
     return x.astype(jnp.bfloat16)
 
 
-def _check_all(args, seg, do, dfin, inputs=_bf16, **paths):
-    """``kda_pallas`` (interpreted; its default paths unless ``paths`` picks others) on ``inputs`` of
-    q, k, v (bf16 unless given) against the reference: values and all six gradients within SPEC
-    10's bf16 tolerances, o in the inputs' dtype and every gradient in its argument's."""
+def _check_all(args, seg, do, dfin, inputs=_bf16):
+    """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
+    reference: values and all six gradients within SPEC 10's bf16 tolerances, o in the inputs'
+    dtype and every gradient in its argument's."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
     ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
                                                      segment_ids=seg)
     ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta, scale=scale,
                                                   initial_state=h0, segment_ids=seg, output_final_state=True,
-                                                  interpret=True, **paths)
+                                                  interpret=True)
     (ro, rf), (o, f) = ref(*args), ker(*args)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
@@ -57,29 +57,36 @@ def _check_all(args, seg, do, dfin, inputs=_bf16, **paths):
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-def test_prep_matches_reference_fp32_softplus_segments():
-    """The token-parallel part plus the plain-JAX state pass equals the recurrence (fp32), for a
-    softplus gate whose 16-token decays exceed fp32's exp range, with packed segments."""
+def _softplus_segments_case():
+    """A softplus gate whose 16-token decays exceed fp32's exp range, packed segments, T = 150."""
     args, _, _ = kda_bf16_case(0, 1, 150, 2, 64, 64, "softplus")
-    q, k, v, g, beta, h0 = args
-    assert float(jnp.min(jnp.sum(g[:, :16], axis=1))) < -88.0  # the overflow regime is exercised
+    assert float(jnp.min(jnp.sum(args[3][:, :16], axis=1))) < -88.0  # the overflow regime
     seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(9), 0.03, (1, 150)), axis=1)
+    return args, seg
+
+
+def test_prep_reference_matches_recurrence_fp32_softplus_segments():
+    """The token-parallel part's reference plus the plain-JAX state pass equals the recurrence
+    (fp32), for a softplus gate whose 16-token decays exceed fp32's exp range, with packed
+    segments: the chunked form the kernels implement, in fp32."""
+    (q, k, v, g, beta, h0), seg = _softplus_segments_case()
     ro, rf = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0, segment_ids=seg)
-    p = prepare(q, k, v, g, beta, scale=0.125, chunk_size=64, segment_ids=seg)
+    p = prepare_reference(q, k, v, g, beta, scale=0.125, chunk_size=64, segment_ids=seg)
     o, f = state_pass_reference(p, h0, 64)
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)[:, :150]) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
 
-def test_prep_matches_reference_fp32_correlated_keys():
-    """The token-parallel part plus the plain-JAX state pass equals the recurrence (fp32) where
-    powers of ``L`` blow up (:func:`kda_correlated_keys_case`)."""
+def test_prep_reference_matches_recurrence_fp32_correlated_keys():
+    """The token-parallel part's reference plus the plain-JAX state pass equals the recurrence
+    (fp32) where powers of ``L`` blow up (:func:`kda_correlated_keys_case`)."""
     (q, k, v, g, beta, h0), _, _ = kda_correlated_keys_case()
     chunk = np.asarray(k[0, :64, 0], np.float64)
     lower = np.tril(chunk @ chunk.T, -1) * 0.99
     assert np.abs(np.linalg.matrix_power(lower, 32)).max() > 1e12  # the hard regime is exercised
     ro, rf = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0)
-    o, f = state_pass_reference(prepare(q, k, v, g, beta, scale=0.125, chunk_size=64), h0, 64)
+    o, f = state_pass_reference(prepare_reference(q, k, v, g, beta, scale=0.125, chunk_size=64),
+                                h0, 64)
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
@@ -90,7 +97,7 @@ def test_state_kernels_match_plain_jax(dv):
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one and two
     value tiles."""
     args, _, _ = kda_bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")  # five chunks: both slots reused
-    p = prepare(*args[:5], scale=0.125, chunk_size=64)
+    p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
     p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
                    aqk=bf16_rounded(p.aqk))
     h0 = args[5]
@@ -147,18 +154,36 @@ def test_state_kernels_lower_for_cuda():
         lowering_platforms=("cuda",))
 
 
-XLA_PATHS = {"scores": "xla", "solve": "xla"}
+def test_prepare_kernels_match_their_reference():
+    """The token-parallel kernels (interpreted) against :func:`prepare_reference` on the same
+    bf16-representable inputs: every output within SPEC 10's bf16 output tolerance and the
+    gradients of q, k, v, g, beta through all of them within its bf16 gradient tolerances (softplus
+    gate past the fp32 exp range, packed segments, T padded)."""
+    (q, k, v, g, beta, _), seg = _softplus_segments_case()
+    kw = {"scale": 0.125, "chunk_size": 64, "segment_ids": seg}
+    ref, ref_vjp = jax.vjp(lambda *a: prepare_reference(*a, **kw), q, k, v, g, beta)
+    out, ker_vjp = jax.vjp(lambda *a: prepare(*a, **kw, interpret=True), q, k, v, g, beta)
+    for name, r, x in zip(ref._fields, ref, out):
+        assert rel_rms(r, x) <= BF16_OUT_TOL, (name, rel_rms(r, x))
+    # A random cotangent per element (a constant one would check only the gradient of sums), the
+    # same bf16 values for both, each in its output's dtype.
+    keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
+    cts = [(jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(jnp.bfloat16)
+           for key, r in zip(keys, ref)]
+    ref_grads = ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref))))
+    grads = ker_vjp(type(out)(*(c.astype(x.dtype) for c, x in zip(cts, out))))
+    for name, r, x in zip(("q", "k", "v", "g", "beta"), ref_grads, grads):
+        tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-@pytest.mark.parametrize("gate,segments,paths", [("lower_bound", False, XLA_PATHS),
-                                                 ("softplus", True, XLA_PATHS), ("softplus", True, {})],
-                         ids=["lower_bound-xla", "softplus-segments-xla", "softplus-segments-default"])
-def test_kda_pallas_values_and_gradients(gate, segments, paths):
-    """End to end (padding T=90 to 128, initial and final state): values and all six gradients, on
-    the default paths (Mosaic scores and solve) and with both built by XLA instead."""
+@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)],
+                         ids=["lower_bound", "softplus-segments"])
+def test_kda_pallas_values_and_gradients(gate, segments):
+    """End to end (padding T=90 to 128, initial and final state): values and all six gradients."""
     args, do, dfin = kda_bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
-    _check_all(args, seg, do, dfin, **paths)
+    _check_all(args, seg, do, dfin)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():

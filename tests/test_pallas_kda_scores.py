@@ -12,14 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import kda_bf16_case
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import kda_scores
+from pallas_kernels._mgpu import CHUNK as C
 from pallas_kernels.kda_prep import prepare, segment_masks
 from pallas_kernels.kda_gates import SegmentMasks
 from pallas_kernels.kda_scores import gated_scores, gated_scores_reference
-
-C = 64
 
 
 def _gate(f, gate):
@@ -101,31 +99,6 @@ def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
     _check_gated(q, k, g, None, seed=3)
 
 
-def test_prepare_mosaic_scores_match_xla():
-    """prepare(scores="mosaic") against the default XLA path: every output and the gradients of
-    q, k, g through them (softplus gate past the fp32 exp range, packed segments, T padded)."""
-    args, _, _ = kda_bf16_case(0, 1, 150, 2, 64, 64, "softplus")
-    q, k, v, g, beta, _ = args
-    assert float(jnp.min(jnp.sum(g[:, :16], axis=1))) < -88.0
-    seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(9), 0.03, (1, 150)), axis=1)
-
-    def run(mode):
-        return lambda q, k, g: prepare(q, k, v, g, beta, scale=0.125, chunk_size=C, segment_ids=seg,
-                                       scores=mode, interpret=True)
-
-    ref, ref_vjp = jax.vjp(run("xla"), q, k, g)
-    out, ker_vjp = jax.vjp(run("mosaic"), q, k, g)
-    for name, r, x in zip(ref._fields, ref, out):
-        assert rel_rms(r, x) <= BF16_OUT_TOL, (name, rel_rms(r, x))
-    # A random cotangent per element (a constant one would only check the gradient of sums).
-    keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
-    # Each in the dtype of the kernel path's output (Aqk is bf16 there), the same values for both.
-    cts = type(ref)(*((jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(x.dtype)
-                      for key, r, x in zip(keys, ref, out)))
-    _check_grads(ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref)))), ker_vjp(cts),
-                 ("q", "k", "g"))
-
-
 @pytest.mark.parametrize("dk", [64, 128])
 def test_kernels_lower_for_cuda(dk):
     """Both kernels (with and without segment masks) pass Mosaic GPU's lowering (layouts, WGMMA
@@ -142,10 +115,8 @@ def test_kernels_lower_for_cuda(dk):
 
 def test_bad_inputs_raise():
     x = jnp.zeros((1, 1, C, 64), jnp.float32)
-    with pytest.raises(ValueError, match="scores must be one of"):
-        prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=C, scores="pallas")
     with pytest.raises(ValueError, match="chunk_size must be 64"):
-        prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32, scores="mosaic")
+        prepare(x, x, x, x, jnp.zeros((1, C, 1)), scale=1.0, chunk_size=32)
     q = jnp.zeros((1, C, 1, 64), jnp.bfloat16)
     g = jnp.zeros((1, C, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="K in"):

@@ -2,8 +2,7 @@
 ``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU interpreter,
 against a triangular solve and matmuls in fp32: random chunks and the correlated-keys regime where
 inverses built from powers of ``L`` fail; every gradient of the backward kernel against autodiff of
-the reference; bf16 operands; ``prepare`` and ``kda_pallas`` with ``solve="mosaic"``; lowering for
-sm_90.
+the reference; bf16 operands; ``kda_pallas`` end to end on correlated keys; lowering for sm_90.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import kda_bf16_case, kda_correlated_keys_case
+from helpers import kda_correlated_keys_case
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
-from pallas_kernels.kda_prep import prepare
-from pallas_kernels.kda_solve import CHUNK, unit_lower_inverse_reference, wy, wy_reference
+from pallas_kernels._mgpu import CHUNK
+from pallas_kernels.kda_solve import unit_lower_inverse_reference, wy, wy_reference
 from test_pallas_kda import _check_all
 
 STRICT = np.tri(CHUNK, k=-1, dtype=bool)
@@ -117,35 +116,11 @@ def test_wy_bf16_operands():
     _assert_akk_grad_strict(grads[0])
 
 
-def test_prepare_with_mosaic_solve_matches_xla():
-    """Every output of the token-parallel part and its gradients, both ways of forming ``W, U``:
-    FP32_TOL, BF16_OUT_TOL for an output one path stores in bf16 (the Mosaic ``W``); both paths get
-    the same cotangents (bf16 values, each in its output's dtype)."""
-    args, _, _ = kda_bf16_case(3, 1, 100, 2, 64, 64, "lower_bound")
-    q, k, v, g, beta, _ = args
-
-    def run(solve):
-        f = lambda *a: prepare(*a, scale=0.125, chunk_size=64, solve=solve,  # noqa: E731
-                               interpret=True)
-        out, vjp = jax.vjp(f, q, k, v, g, beta)
-        keys = jax.random.split(jax.random.key(5), len(out))
-        cts = type(out)(*(jax.random.normal(key, o.shape).astype(jnp.bfloat16).astype(o.dtype)
-                          for key, o in zip(keys, out)))
-        return out, vjp(cts)
-
-    (out, grads), (ref, ref_grads) = run("mosaic"), run("xla")
-    for name, a, b in zip(ref._fields, ref, out):
-        tol = BF16_OUT_TOL if jnp.bfloat16 in (a.dtype, b.dtype) else FP32_TOL
-        assert rel_rms(a, b) <= tol, (name, rel_rms(a, b), tol)
-    for name, a, b in zip("q k v g beta".split(), ref_grads, grads):
-        assert rel_rms(a, b) <= FP32_TOL, name
-
-
-def test_kda_pallas_with_mosaic_solve_on_correlated_keys():
+def test_kda_pallas_on_correlated_keys():
     """End to end (interpreted kernels), values and all six gradients at SPEC 10's bf16
     tolerances, in the regime where power-based inverses fail."""
     args, do, dfin = kda_correlated_keys_case()
-    _check_all(args, None, do, dfin)  # kda_pallas's defaults: Mosaic scores and solve
+    _check_all(args, None, do, dfin)
 
 
 @pytest.mark.parametrize("width, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
@@ -174,9 +149,3 @@ def test_wy_rejects_bad_inputs(name, changes):
             "xk": jnp.zeros((1, 2, 128, 64)), "v": jnp.zeros((1, 128, 2, 64)), **changes}
     with pytest.raises(ValueError, match=f"wy: {name} must be"):
         wy(args.pop("akk"), args.pop("beta"), args.pop("xk"), args.pop("v"), **args)
-
-
-def test_prepare_rejects_unknown_solve():
-    with pytest.raises(ValueError, match="solve must be one of"):
-        prepare(*(jnp.zeros((1, 64, 1, 64)),) * 4, jnp.zeros((1, 64, 1)), scale=1.0, chunk_size=64,
-                solve="lapack")

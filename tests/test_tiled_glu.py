@@ -23,10 +23,6 @@ BM = kernels.BLOCK_M
 ACTS = [GLUSpec("situ_glu", 4.0, 25.0), GLUSpec("situ_glu", 2.0, 8.0), GLUSpec("swiglu")]
 
 
-def _act_args(act: GLUSpec) -> dict:
-    return {"activation": act.name, "beta_gate": act.beta_gate, "beta_up": act.beta_up}
-
-
 def _operands(rows: int, cols: int, n: int, dtype=jnp.bfloat16):
     # Scale 6: both soft caps (beta_gate 2 to 4) and sigmoid's tails are exercised.
     keys = jax.random.split(jax.random.key(rows + cols), n)
@@ -49,10 +45,10 @@ def test_kernels_match_reference_on_real_tiles(act):
     gate, up, dh = _operands(4 * BM, 2 * kernels.BLOCK_N, 3)
     tile_group = jnp.array([0, -1, 2, -1], jnp.int32)
     real = np.repeat(np.asarray(tile_group) >= 0, BM)
-    outs = (kernels.tiled_glu(gate, up, tile_group, **_act_args(act), interpret=True),
-            *kernels.tiled_glu_vjp(gate, up, dh, tile_group, **_act_args(act), interpret=True))
-    refs = (kernels.tiled_glu_reference(gate, up, tile_group, **_act_args(act)),
-            *kernels.tiled_glu_reference(gate, up, tile_group, **_act_args(act), dh=dh))
+    outs = (kernels.tiled_glu(gate, up, tile_group, act=act, interpret=True),
+            *kernels.tiled_glu_vjp(gate, up, dh, tile_group, act=act, interpret=True))
+    refs = (kernels.tiled_glu_reference(gate, up, tile_group, act),
+            *kernels.tiled_glu_reference(gate, up, tile_group, act=act, dh=dh))
     for ref, out in zip(refs, outs):
         assert rel_rms(np.asarray(ref, np.float32)[real], np.asarray(out, np.float32)[real]) \
             <= BF16_OUT_TOL
@@ -64,7 +60,7 @@ def test_kernels_lower_for_cuda(act):
     accepts ops and layouts that do not lower)."""
     a = jax.ShapeDtypeStruct((8 * BM, 768), jnp.bfloat16)
     groups = jax.ShapeDtypeStruct((8,), jnp.int32)
-    kw = _act_args(act)
+    kw = {"act": act}
     jax.jit(lambda g, u, t: kernels.tiled_glu(g, u, t, **kw)).trace(a, a, groups).lower(
         lowering_platforms=("cuda",))
     jax.jit(lambda g, u, d, t: kernels.tiled_glu_vjp(g, u, d, t, **kw)).trace(
@@ -73,7 +69,7 @@ def test_kernels_lower_for_cuda(act):
 
 def test_kernels_reject_bad_shapes():
     a = jnp.zeros((BM, 128), jnp.bfloat16)
-    kw = _act_args(ACTS[0])
+    kw = {"act": ACTS[0]}
     with pytest.raises(ValueError, match="tile_group must be"):
         kernels.tiled_glu(a, a, jnp.zeros((2,), jnp.int32), **kw)
     with pytest.raises(ValueError, match="multiples of"):

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from k3jax.config.base import ConfigError, fail, one_of, positive, require, to_dict
+from k3jax.config.base import ConfigError, check_literals, fail, positive, require, to_dict
 from k3jax.config.mesh import MeshConfig
 from k3jax.config.model import ModelConfig
 
-TASKS = ("corpus", "mqar", "palindrome", "stack", "parity")
+# "corpus": a built text corpus; the others: synthetic sequences (k3jax.data.synthetic).
+Task = Literal["corpus", "mqar", "palindrome", "stack", "parity"]
+TASKS = typing.get_args(Task)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class DataConfig:
     synthetic sequences (``k3jax.data.synthetic``). ``batch_size`` is global per optimiser step.
     """
 
-    task: str = "corpus"
+    task: Task = "corpus"
     sources: tuple[str, ...] = ()
     data_dir: str | None = None
     cache_dir: str | None = None
@@ -46,14 +48,13 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
-        one_of(self, "task", TASKS)
-        one_of(self, "tokenizer", ("byte", "bpe"))
+        check_literals(self)
         positive(self, "seq_len", "batch_size", "max_doc_bytes")
         require(0.0 < self.heldout_fraction < 0.5, self, "heldout_fraction",
                 "expected a fraction in (0, 0.5)")
 
 
-SCHEDULES = ("wsd", "cosine", "constant")
+Schedule = Literal["wsd", "cosine", "constant"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class OptimConfig:
 
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-3
-    schedule: str = "wsd"
+    schedule: Schedule = "wsd"
     warmup_steps: int = 100
     decay_fraction: float = 0.2
     min_lr_ratio: float = 0.1
@@ -79,8 +80,7 @@ class OptimConfig:
     muon_consistent_rms: float = 0.2
 
     def __post_init__(self):
-        one_of(self, "name", ("adamw", "muon"))
-        one_of(self, "schedule", SCHEDULES)
+        check_literals(self)
         require(self.lr > 0, self, "lr", "expected > 0")
         require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, self,
                 "warmup_steps", "expected an integer >= 0")

@@ -11,11 +11,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from k3jax.config.base import ConfigError, divides, fail, one_of, positive, power_of_two, require
-from k3jax.config.moe import MoEConfig
+from k3jax.config.base import (
+    ConfigError,
+    check_literals,
+    divides,
+    fail,
+    positive,
+    power_of_two,
+    require,
+)
+from k3jax.config.moe import Activation, MoEConfig
 
-ACTIVATIONS = ("swiglu", "situ_glu")
-KDA_IMPLS = ("auto", "reference", "chunked", "pallas")
+# "reference": token by token (the oracle); "chunked": the chunked form in JAX; "pallas": the Mosaic
+# GPU kernels; "auto": the kernels where they support the call, else "chunked".
+KDAImpl = Literal["auto", "reference", "chunked", "pallas"]
+Remat = Literal["none", "full", "dots"]   # dots: keep the matmul outputs, recompute the rest
 
 
 @dataclass(frozen=True)
@@ -32,13 +42,11 @@ class KDAConfig:
     output_gate_rank: int = 128
     allow_neg_eigval: bool = False
     chunk_size: int = 64
-    impl: str = "auto"
+    impl: KDAImpl = "auto"
 
     def __post_init__(self):
+        check_literals(self)
         positive(self, "num_heads", "head_dim", "conv_size", "gate_rank", "output_gate_rank")
-        one_of(self, "gate", ("softplus", "lower_bound"))
-        one_of(self, "output_gate", ("full", "low_rank"))
-        one_of(self, "impl", KDA_IMPLS)
         power_of_two(self, "chunk_size")
         require(self.chunk_size >= 16, self, "chunk_size", "expected a power of two >= 16")
         if self.gate == "lower_bound" and not self.lower_bound < 0:
@@ -77,13 +85,13 @@ class FFNConfig:
     """Dense gated MLP (SwiGLU or SiTU-GLU, SPEC 6)."""
 
     intermediate_size: int = 512
-    activation: str = "situ_glu"
+    activation: Activation = "situ_glu"
     situ_beta_gate: float = 4.0
     situ_beta_up: float = 25.0
 
     def __post_init__(self):
+        check_literals(self)
         positive(self, "intermediate_size")
-        one_of(self, "activation", ACTIVATIONS)
         require(self.situ_beta_gate > 0, self, "situ_beta_gate", "expected > 0")
         require(self.situ_beta_up > 0, self, "situ_beta_up", "expected > 0")
 
@@ -101,7 +109,7 @@ class ResidualConfig:
     block_size_layers: int | None = None
 
     def __post_init__(self):
-        one_of(self, "kind", ("plain", "attnres"))
+        check_literals(self)
         s, l = self.block_size_sublayers, self.block_size_layers
         if s is not None and l is not None and s != 2 * l:
             fail(self, "block_size_sublayers", s,
@@ -118,9 +126,6 @@ class ResidualConfig:
         if self.block_size_sublayers is not None:
             return self.block_size_sublayers
         return None if self.block_size_layers is None else 2 * self.block_size_layers
-
-
-REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclass(frozen=True)
@@ -145,16 +150,14 @@ class ModelConfig:
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     rms_eps: float = 1e-5
     init_std: float = 0.02
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True
-    remat: str = "none"
+    remat: Remat = "none"
 
     def __post_init__(self):
+        check_literals(self)
         positive(self, "vocab_size", "d_model", "num_layers", "mla_every")
-        one_of(self, "dtype", ("bfloat16", "float32", "float16"))
-        one_of(self, "param_dtype", ("float32", "bfloat16"))
-        one_of(self, "remat", REMAT_POLICIES)
         require(self.rms_eps > 0, self, "rms_eps", "expected > 0")
         require(self.init_std > 0, self, "init_std", "expected > 0")
         if not (0 <= self.first_k_dense <= self.num_layers):
@@ -195,5 +198,5 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["ACTIVATIONS", "ConfigError", "FFNConfig", "KDAConfig", "MLAConfig", "ModelConfig",
+__all__ = ["ConfigError", "FFNConfig", "KDAConfig", "MLAConfig", "ModelConfig",
            "ResidualConfig", "divides"]

@@ -7,22 +7,67 @@ Collections besides ``params``:
   the collection mutable; the statistics of this forward under the *same path and name* as the bias
   (``.../bias``), so ``balancing.update_balance(balance, stats, cfg.moe)`` pairs them by path.
 - ``'losses'``: ``moe_aux`` (a scalar) is sown in training when ``balancing == "aux_loss"``.
+- ``'diagnostics'``: ``dropped_slots`` (fp32 scalar, global over the mesh), the routed slots the
+  dispatch dropped for want of capacity, sown when ``capacity_factor`` is set (zero for the
+  dropless dispatches) and the collection is mutable.
 Initialise with ``deterministic=True`` (init makes every collection mutable, so a training-mode
 init would also return statistics and a sown loss).
+
+The dispatch (SPEC 8) is looked up by ``MoEConfig.dispatch`` in :data:`DISPATCHES`, whose names are
+exactly the config's :data:`~k3jax.config.moe.Dispatch` values.
 """
 
 from __future__ import annotations
+
+import functools
+import typing
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from k3jax.config.moe import Dispatch
 from k3jax.layers.ffn import GLUMLP
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
 from k3jax.ops.balancing import compute_stats
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, make_dispatch
+from k3jax.ops.ep_dispatch import make_ep_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
 from k3jax.ops.routing import aux_balance_loss, route, router_scores
+
+# (x, expert_ids, weights, experts, act) -> (y, dropped slots [] int32): k3jax.ops.moe_dispatch
+DispatchFn = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, GLUSpec],
+                      tuple[jax.Array, jax.Array]]
+
+
+def _dropless(fn) -> DispatchFn:
+    """A single-device dispatch (it drops nothing) with the table's signature."""
+    return lambda *args: (fn(*args), jnp.zeros((), jnp.int32))
+
+
+def _expert_parallel(kind: str):
+    return lambda mc: make_ep_dispatch(kind, mc.capacity_factor, mc.grouped_matmul)
+
+
+# MoEConfig.dispatch -> the factory of that dispatch for a config (binding the config's options).
+DISPATCHES: dict[str, Callable[[object], DispatchFn]] = {
+    "ragged": lambda mc: _dropless(functools.partial(ragged_dispatch, impl=mc.grouped_matmul)),
+    "dense": lambda mc: _dropless(dense_dispatch),
+    "all_to_all": _expert_parallel("all_to_all"),
+    "ring": _expert_parallel("ring"),
+    "ragged_all_to_all": _expert_parallel("ragged_all_to_all"),
+}
+
+
+def make_dispatch(moe_cfg) -> DispatchFn:
+    """The dispatch named by ``moe_cfg.dispatch`` with the config's options bound; an unknown name
+    or an option the dispatch cannot take is an error here, before anything is traced."""
+    name = moe_cfg.dispatch
+    if name not in DISPATCHES:
+        raise ValueError(f"MoEConfig.dispatch={name!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, typing.get_args(Dispatch)))}")
+    return DISPATCHES[name](moe_cfg)
 
 
 class MoEBlock(nn.Module):
@@ -67,18 +112,24 @@ class MoEBlock(nn.Module):
         if mc.is_latent:
             w_down = self.param("latent_down", init(("embed", "latent")), (d, width), pdt)
             w_up = self.param("latent_up", init(("latent", "embed")), (width, d), pdt)
-            u = dispatch(xf @ w_down.astype(cdt), ids, weights, experts, GLUSpec.from_config(mc))
+            u, dropped = dispatch(xf @ w_down.astype(cdt), ids, weights, experts,
+                                  GLUSpec.from_config(mc))
             if mc.latent_norm:
                 u = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="latent_norm")(u)
             y = u.astype(cdt) @ w_up.astype(cdt)
         else:
-            y = dispatch(xf, ids, weights, experts, GLUSpec.from_config(mc))
+            y, dropped = dispatch(xf, ids, weights, experts, GLUSpec.from_config(mc))
 
         if mc.shared_intermediate:
             y = y + GLUMLP(d, mc.shared_intermediate, mc.activation, mc.situ_beta_gate,
                            mc.situ_beta_up, cfg.init_std, cfg.dtype, cfg.param_dtype,
                            name="shared")(xf)
 
+        if mc.capacity_factor is not None and self.is_mutable_collection("diagnostics"):
+            # One value per forward, not flax's default tuple of appended values: a lifted scan
+            # traces the block more than once and would leave a placeholder entry beside the count.
+            self.sow("diagnostics", "dropped_slots", dropped.astype(jnp.float32),
+                     reduce_fn=lambda _, x: x, init_fn=lambda: jnp.zeros((), jnp.float32))
         if not deterministic and self.is_mutable_collection("balance_stats"):
             stats = compute_stats(scores, ids, bias.value, mc)
             self.variable("balance_stats", "bias", lambda: stats).value = stats
@@ -89,4 +140,4 @@ class MoEBlock(nn.Module):
         return y.reshape(b, t, d).astype(cdt)
 
 
-__all__ = ["MoEBlock"]
+__all__ = ["DISPATCHES", "DispatchFn", "MoEBlock", "make_dispatch"]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
+
+from k3jax.config.moe import Activation
+
+ACTIVATIONS = typing.get_args(Activation)
 
 
 def situ_glu(gate: jax.Array, up: jax.Array, beta_gate: float = 4.0, beta_up: float = 25.0) -> jax.Array:
@@ -24,8 +30,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def _check_activation(activation: str) -> None:
-    if activation not in ("swiglu", "situ_glu"):
-        raise ValueError(f"activation={activation!r} is invalid: expected 'swiglu' or 'situ_glu'")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, ACTIVATIONS))}")
 
 
 def glu(gate: jax.Array, up: jax.Array, activation: str, beta_gate: float = 4.0,

@@ -23,15 +23,16 @@ gradient is jax's ``transposed_ragged_dot_mgpu`` either way: it walks each group
 from __future__ import annotations
 
 import functools
+import typing
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-GROUPED_MATMULS = ("ragged_dot", "mosaic")
-# Rows per tile of pallas_kernels.tiled_gmm (its BLOCK_M; a test holds them equal). The kernel
-# module is imported lazily: GPU-only dependencies stay out of CPU imports.
-TILE_ROWS = 128
+from k3jax.config.moe import GroupedMatmul
+from pallas_kernels.row_tiles import TILE_ROWS  # the tile kernels themselves are imported lazily
+
+GROUPED_MATMULS = typing.get_args(GroupedMatmul)
 
 # Tile sizes of jax's Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _STAGES, _GRID_N = 128, 128, 64, 4, 1
@@ -165,6 +166,6 @@ def _kernel_gmm_bwd(kernels, res, g):
 
 kernel_gmm.defvjp(_kernel_gmm_fwd, _kernel_gmm_bwd)
 
-__all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS", "TILE_ROWS",
+__all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS",
            "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "runs_on_tiles",
            "tile_groups"]

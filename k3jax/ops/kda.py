@@ -15,15 +15,17 @@ Arguments are validated here, in Python, before anything is traced or compiled.
 from __future__ import annotations
 
 import numbers
+import typing
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.config.model import KDAImpl
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.kda_reference import kda_decode_step, kda_reference
 
-IMPLS = ("auto", "reference", "chunked", "pallas")
+IMPLS = typing.get_args(KDAImpl)
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 L2_EPS = 1e-6  # SPEC 3.1 step 3: added to the sum of squares
 

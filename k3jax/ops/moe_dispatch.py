@@ -1,6 +1,6 @@
 """The MoE dispatch interface: routed tokens in, weighted expert outputs out (SPEC 6 and 8).
 
-One signature, several implementations, chosen by ``MoEConfig.dispatch``::
+Every dispatch takes the same arguments::
 
     fn(x [N, D], expert_ids [N, k] int32, weights [N, k] fp32, experts: ExpertWeights, act: GLUSpec)
         -> y [N, D] in x.dtype,    y_n = sum_j weights[n, j] * Expert_{expert_ids[n, j]}(x_n)
@@ -8,22 +8,22 @@ One signature, several implementations, chosen by ``MoEConfig.dispatch``::
 ``D`` is the latent width for the Stable LatentMoE (x is then z = x W_down) and ``d`` for the plain
 MoE. Each expert is ``act(x W_gate[e], x W_up[e]) W_down[e]``; the weighted sum is taken in fp32.
 
-The registry holds *factories* ``MoEConfig -> fn`` so an implementation can bind config-specific
-options (capacity factor, mesh axes) once, while the call signature above stays the same. The
-expert-parallel code registers ``"all_to_all"``, ``"ring"`` and ``"ragged_all_to_all"`` with
-:func:`register_dispatch`; single-device ``"ragged"`` (sort + ``jax.lax.ragged_dot``) and
-``"dense"`` (every expert on every token, the test oracle) live here.
+This module holds the single-device dispatches, both dropless: ``ragged`` (sort + grouped matmul,
+:func:`ragged_dispatch`) and ``dense`` (every expert on every token, the test oracle), and the
+pieces the expert-parallel ones (:mod:`k3jax.ops.ep_dispatch`, which also return the count of
+dropped slots) share. The MoE block's table (:data:`k3jax.layers.moe.DISPATCHES`) maps each
+``MoEConfig.dispatch`` name to one of them.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.activations import glu
+from k3jax.ops.activations import glu, glu_vjp
 from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment, runs_on_tiles
 from k3jax.ops.tiled_glu import glu_on_tiles
 
@@ -49,42 +49,14 @@ class GLUSpec(NamedTuple):
     def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         return glu(gate, up, self.name, self.beta_gate, self.beta_up)
 
+    def vjp(self, gate: jax.Array, up: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(dgate, dup)`` in fp32 at fp32 ``gate``, ``up`` for the output gradient ``dh``
+        (:func:`~k3jax.ops.activations.glu_vjp`: elementwise, so kernels can fuse it)."""
+        return glu_vjp(gate, up, dh, self.name, self.beta_gate, self.beta_up)
+
     @classmethod
     def from_config(cls, moe_cfg) -> "GLUSpec":
         return cls(moe_cfg.activation, moe_cfg.situ_beta_gate, moe_cfg.situ_beta_up)
-
-
-DispatchFn = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, GLUSpec], jax.Array]
-DispatchFactory = Callable[[object], DispatchFn]
-
-_REGISTRY: dict[str, DispatchFactory] = {}
-# Registered by k3jax.parallel.ep_dispatch, imported on first use so configs need no extra import.
-EXPERT_PARALLEL = ("all_to_all", "ring", "ragged_all_to_all")
-
-
-def register_dispatch(name: str, factory: DispatchFactory, *, overwrite: bool = False) -> None:
-    """Register ``factory(moe_cfg) -> DispatchFn`` under ``name`` (a ``MoEConfig.dispatch`` value)."""
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"register_dispatch: name={name!r} is already registered "
-                         "(pass overwrite=True to replace it)")
-    _REGISTRY[name] = factory
-
-
-def registered_dispatches() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
-
-
-def make_dispatch(moe_cfg) -> DispatchFn:
-    """The dispatch function named by ``moe_cfg.dispatch``; an unregistered name is a clear error."""
-    name = moe_cfg.dispatch
-    if name in EXPERT_PARALLEL and name not in _REGISTRY:
-        import k3jax.parallel.ep_dispatch  # noqa: F401  (registers the shard_map dispatches)
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"MoEConfig.dispatch={name!r} has no registered implementation; registered: "
-            f"{', '.join(registered_dispatches())}. Expert-parallel dispatches register themselves "
-            "when their module is imported.")
-    return _REGISTRY[name](moe_cfg)
 
 
 def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -240,10 +212,5 @@ def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 
 
-register_dispatch("ragged", lambda cfg: functools.partial(ragged_dispatch,
-                                                          impl=cfg.grouped_matmul))
-register_dispatch("dense", lambda cfg: dense_dispatch)
-
-__all__ = ["DispatchFn", "ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args",
-           "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows", "permute_rows",
-           "make_dispatch", "ragged_dispatch", "register_dispatch", "registered_dispatches"]
+__all__ = ["ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args", "dense_dispatch",
+           "expert_ffn", "experts_on_slots", "group_rows", "permute_rows", "ragged_dispatch"]

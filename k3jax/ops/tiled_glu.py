@@ -5,7 +5,9 @@
 unwritten, and a dropless expert-parallel buffer is mostly such rows (it is sized for ``E_p`` times
 its balanced load). :func:`glu_on_tiles` then runs :mod:`pallas_kernels.tiled_glu` forward and
 backward, which compute (in fp32) and write only the tiles that hold a group; everywhere else it is
-the plain :func:`~k3jax.ops.activations.glu` (its reference) under JAX's autodiff.
+the plain activation (:func:`~k3jax.ops.activations.glu`, the kernels' reference) under JAX's
+autodiff. The kernels take the activation itself (``act``, with its written-out gradient
+``act.vjp``) as a static argument.
 """
 
 from __future__ import annotations
@@ -15,27 +17,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.activations import glu
 from k3jax.ops.grouped_matmul import tile_groups
 
 
 def glu_on_tiles(gate: jax.Array, up: jax.Array, group_sizes: jax.Array, act,
                  on_tiles: bool, interpret: bool = False) -> jax.Array:
     """``act(gate, up)`` in ``gate.dtype``: ``gate``, ``up`` ``[R, m]`` rows in group order,
-    ``group_sizes [G]``; ``act`` a ``GLUSpec`` (``name``, ``beta_gate``, ``beta_up``).
+    ``group_sizes [G]``; ``act`` a :class:`~k3jax.ops.moe_dispatch.GLUSpec`.
 
     ``on_tiles``: the rows are tile-aligned and come from (and go to) the tile matmul; rows of
     tiles past the last group are then unspecified, as theirs are. ``interpret``: run the kernels
     in the Mosaic GPU interpreter (CPU tests)."""
     if not on_tiles:
-        return glu(gate, up, act.name, act.beta_gate, act.beta_up)
+        return act(gate, up)
     tile_group = tile_groups(group_sizes.astype(jnp.int32), gate.shape[0])
-    return _tiled(gate, up, tile_group, (act.name, act.beta_gate, act.beta_up), interpret)
+    return _tiled(gate, up, tile_group, act, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _tiled(gate, up, tile_group, act: tuple[str, float, float], interpret: bool):
-    return _launcher("tiled_glu")(gate, up, tile_group, **_act_args(act), interpret=interpret)
+def _tiled(gate, up, tile_group, act, interpret: bool):
+    return _launcher("tiled_glu")(gate, up, tile_group, act=act, interpret=interpret)
 
 
 def _tiled_fwd(gate, up, tile_group, act, interpret):
@@ -45,17 +46,11 @@ def _tiled_fwd(gate, up, tile_group, act, interpret):
 def _tiled_bwd(act, interpret, res, dh):
     gate, up, tile_group = res
     dgate, dup = _launcher("tiled_glu_vjp")(gate, up, dh.astype(gate.dtype), tile_group,
-                                            **_act_args(act), interpret=interpret)
+                                            act=act, interpret=interpret)
     return dgate, dup, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
-
-_ACT_ARGS = ("activation", "beta_gate", "beta_up")
-
-
-def _act_args(act: tuple[str, float, float]) -> dict:
-    return dict(zip(_ACT_ARGS, act))
 
 
 @functools.cache
@@ -64,7 +59,7 @@ def _launcher(name: str):
     out of CPU imports) and jitted once, so every MoE layer's call shares one lowering."""
     from pallas_kernels import tiled_glu
     from pallas_kernels._mgpu import shared_lowering
-    return shared_lowering(getattr(tiled_glu, name), _ACT_ARGS)
+    return shared_lowering(getattr(tiled_glu, name), ("act",))
 
 
 __all__ = ["glu_on_tiles"]

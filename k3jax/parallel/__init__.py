@@ -1,10 +1,9 @@
-"""Running the model over a device mesh: mesh, shardings, multi-process setup, expert parallelism.
+"""Running the model over a device mesh: mesh, shardings, multi-process setup.
 
-Importing the package registers the expert-parallel MoE dispatches (``all_to_all``, ``ring``,
-``ragged_all_to_all``) with :mod:`k3jax.ops.moe_dispatch`.
+The expert-parallel MoE dispatches run inside the model (:mod:`k3jax.ops.ep_dispatch`); they read
+the mesh and rules that :func:`use_mesh` makes current.
 """
 
-from k3jax.parallel import ep_dispatch as _ep_dispatch  # noqa: F401  (registers the dispatches)
 from k3jax.parallel.distributed import (initialize_distributed, local_batch_rows,
                                         make_global_batch)
 from k3jax.parallel.mesh import check_experts_fit, expert_axis_size, make_mesh, use_mesh

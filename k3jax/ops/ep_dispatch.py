@@ -1,9 +1,10 @@
 """Expert-parallel implementations of the MoE dispatch interface (SPEC 8), inside one ``shard_map``.
 
-Same signature as :mod:`k3jax.ops.moe_dispatch` (``x [N, D]``, ``expert_ids [N, k]``, ``weights
-[N, k]``, ``ExpertWeights``, ``GLUSpec`` -> ``y [N, D]``); registered there as ``"all_to_all"``,
-``"ring"`` and ``"ragged_all_to_all"`` when this module is imported. Routing, the latent projections
-and norm and the shared MLP stay outside: only the routed tokens cross devices.
+Same inputs as :mod:`k3jax.ops.moe_dispatch` (``x [N, D]``, ``expert_ids [N, k]``, ``weights
+[N, k]``, ``ExpertWeights``, ``GLUSpec``), returning ``(y [N, D], dropped [] int32)``; the MoE block
+runs them as ``MoEConfig.dispatch`` ``"all_to_all"``, ``"ring"`` and ``"ragged_all_to_all"``.
+Routing, the latent projections and norm and the shared MLP stay outside: only the routed tokens
+cross devices.
 
 Layout, read from the mesh and rules table made current by :func:`k3jax.parallel.mesh.use_mesh`:
 the tokens ``N`` are split over the ``batch`` rule's mesh axes (which include the expert axes), the
@@ -24,8 +25,9 @@ Per device with ``n`` tokens, ``S = n k`` routed slots:
 
 ``capacity_factor`` (``all_to_all``, ``ring``): ``C = ceil(cf * S / E_p)`` rows per send buffer
 (``all_to_all``) or ``C = ceil(cf * S)`` rows per expert device (``ring``): ``cf = 1`` is the load
-of exactly balanced routing. Slots over capacity contribute nothing; their count is sown as
-``diagnostics/dropped_slots`` in the calling MoE block (global count over the mesh, per forward).
+of exactly balanced routing. Slots over capacity contribute nothing; their count (global over the
+mesh, per forward) is returned beside ``y``; the MoE block sows it as
+``diagnostics/dropped_slots``.
 
 Expert outputs travel back in the compute dtype (``x.dtype``) for ``all_to_all`` and
 ``ragged_all_to_all``; the ring reduces the weighted fp32 sums (its combine happens before the
@@ -35,6 +37,7 @@ where XLA sums ``load``/``hist`` over the devices that hold different tokens exa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -46,10 +49,14 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config.base import ConfigError
 from k3jax.config.mesh import rule_axes
 from k3jax.ops.grouped_matmul import check_grouped_matmul
-from k3jax.ops.moe_dispatch import (ExpertWeights, GLUSpec, check_dispatch_args, experts_on_slots,
-                                    ragged_dispatch, register_dispatch)
+from k3jax.ops.moe_dispatch import (
+    ExpertWeights,
+    GLUSpec,
+    check_dispatch_args,
+    experts_on_slots,
+    ragged_dispatch,
+)
 
-EP_DISPATCHES = ("all_to_all", "ring", "ragged_all_to_all")
 F32 = jnp.float32
 
 
@@ -126,7 +133,7 @@ def _all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gm
     n, k = ids.shape
     d = x.shape[1]
     ax = _axis(lay.expert_axes)
-    order, sid, owner, counts, offsets = _sort_slots(ids, e_local, e_shards)
+    order, sid, owner, _, offsets = _sort_slots(ids, e_local, e_shards)
     rank = jnp.arange(n * k) - offsets[owner]                      # position in the owner's buffer
     keep = rank < cap
     pos = jnp.where(keep, owner * cap + rank, e_shards * cap)      # out of range = dropped
@@ -192,6 +199,7 @@ def _ragged_all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, 
 
 _BODIES = {"all_to_all": _all_to_all_body, "ring": _ring_body,
            "ragged_all_to_all": _ragged_all_to_all_body}
+EP_DISPATCHES = tuple(_BODIES)
 
 
 def capacity(kind: str, slots_per_device: int, e_shards: int, capacity_factor: float | None) -> int:
@@ -239,21 +247,9 @@ def ep_dispatch(kind: str, x: jax.Array, expert_ids: jax.Array, weights: jax.Arr
         x, expert_ids.astype(jnp.int32), weights, *experts)
 
 
-def report_dropped(dropped: jax.Array) -> None:
-    """Sow the dropped-slot count into ``diagnostics/dropped_slots`` of the flax module being called
-    (the MoE block), when that collection is mutable; nothing happens outside a module."""
-    stack = getattr(getattr(nn.module, "_context", None), "module_stack", None)
-    module = stack[-1] if stack else None
-    if module is not None and module.scope is not None and \
-            module.is_mutable_collection("diagnostics"):
-        # One value per forward, not flax's default tuple of appended values: a lifted scan
-        # traces the block more than once and would leave a placeholder entry beside the count.
-        module.sow("diagnostics", "dropped_slots", dropped.astype(F32),
-                   reduce_fn=lambda _, x: x, init_fn=lambda: jnp.zeros((), F32))
-
-
 def make_ep_dispatch(kind: str, capacity_factor: float | None = None, gmm: str = "ragged_dot"):
-    """A :data:`~k3jax.ops.moe_dispatch.DispatchFn` for ``kind``; errors before any tracing."""
+    """``fn(x, expert_ids, weights, experts, act) -> (y, dropped)``: :func:`ep_dispatch` of ``kind``
+    with its options bound; a kind or option that cannot run is an error here, before tracing."""
     if kind not in EP_DISPATCHES:
         raise ValueError(f"make_ep_dispatch: kind={kind!r}; expected one of {EP_DISPATCHES}")
     check_grouped_matmul(gmm)
@@ -266,22 +262,14 @@ def make_ep_dispatch(kind: str, capacity_factor: float | None = None, gmm: str =
                               "jax.lax.ragged_all_to_all has no CPU lowering; on CPU use "
                               "'all_to_all' or 'ring'")
 
-    def dispatch(x, expert_ids, weights, experts, act):
-        y, dropped = ep_dispatch(kind, x, expert_ids, weights, experts, act,
-                                 capacity_factor=capacity_factor, gmm=gmm)
-        if capacity_factor is not None:
-            report_dropped(dropped)
-        return y
-
-    return dispatch
+    return functools.partial(ep_dispatch, kind, capacity_factor=capacity_factor, gmm=gmm)
 
 
-def _factory(kind: str):
-    return lambda cfg: make_ep_dispatch(kind, cfg.capacity_factor, cfg.grouped_matmul)
-
-
-for _kind in EP_DISPATCHES:
-    register_dispatch(_kind, _factory(_kind), overwrite=True)
-
-__all__ = ["EPLayout", "EP_DISPATCHES", "capacity", "current_layout", "ep_dispatch",
-           "make_ep_dispatch", "report_dropped"]
+__all__ = [
+    "EP_DISPATCHES",
+    "EPLayout",
+    "capacity",
+    "current_layout",
+    "ep_dispatch",
+    "make_ep_dispatch",
+]
