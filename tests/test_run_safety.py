@@ -8,6 +8,7 @@ arrays saved by the real :class:`~k3jax.train.checkpoint.Checkpointer`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import importlib.util
@@ -112,25 +113,33 @@ def test_damaged_checkpoint_is_named_moved_aside_and_the_older_one_used(tmp_path
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
 
 
-def _failing_save(monkeypatch):
-    """Orbax writes the state's files, then the disk is full."""
+def _failing_save(monkeypatch, where: str):
+    """Orbax writes the state's files, then the disk is full: while the save is started
+    (``where="start"``) or in its background commit (``"commit"``)."""
     handler = ocp.StandardCheckpointHandler
     original = handler.async_save
 
     async def write_then_fail(self, directory, *args, **kwargs):
-        for f in await original(self, directory, *args, **kwargs) or []:
-            f.result()
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        futures = list(await original(self, directory, *args, **kwargs) or [])
+        full = OSError(errno.ENOSPC, "No space left on device", str(directory))
+        if where == "start":
+            for f in futures:
+                f.result()
+            raise full
+        failed = concurrent.futures.Future()
+        failed.set_exception(full)
+        return [*futures, failed]
 
     monkeypatch.setattr(handler, "async_save", write_then_fail)
 
 
-@pytest.mark.parametrize("policy", ["stop", "continue"])
+@pytest.mark.parametrize("policy, where", [("stop", "start"), ("stop", "commit"),
+                                           ("continue", "commit")])
 def test_failed_save_is_one_line_keeps_older_checkpoints_and_no_tmp(tmp_path, monkeypatch,
-                                                                    policy):
+                                                                    policy, where):
     lines = []
     ckpt = _checkpoints(tmp_path, steps=(2,), log=lines.append, on_save_error=policy)
-    _failing_save(monkeypatch)
+    _failing_save(monkeypatch, where)
     if policy == "stop":
         with pytest.raises(CheckpointSaveError) as e:
             ckpt.save(4, _state(4), {"config": {}, "step": 4})
