@@ -265,8 +265,8 @@ def _snapshot(workdir: Path) -> dict:
 @pytest.mark.parametrize("override, expect", [
     ("model.d_model=64", (r"was made with a different config: model\.d_model: checkpoint 32 "
                           r"vs config 64")),
-    ("train.steps=48", (r"train\.steps 24 -> 48 would rewrite the learning rates.*"
-                        r"train\.schedule_change=accept")),
+    ("train.steps=48,train.schedule_change=refuse",
+     r"train\.steps 24 -> 48 changes the learning rates.*train\.schedule_change=continue"),
     ("train.steps=12", r"train\.steps=12 is below step 24"),
 ])
 def test_refused_resume_is_one_error_line_and_leaves_the_workdir_untouched(
@@ -274,8 +274,8 @@ def test_refused_resume_is_one_error_line_and_leaves_the_workdir_untouched(
     cfg = _tiny_cfg()
     workdir = _finished_workdir(tmp_path, cfg, 24)
     before = _snapshot(workdir)
-    rc = train_main(["--config", str(_preset(tmp_path, cfg)), "--workdir", str(workdir),
-                        "--set", override])
+    sets = [a for o in override.split(",") for a in ("--set", o)]
+    rc = train_main(["--config", str(_preset(tmp_path, cfg)), "--workdir", str(workdir), *sets])
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and re.search(expect, line), line
     assert _snapshot(workdir) == before
@@ -284,7 +284,7 @@ def test_refused_resume_is_one_error_line_and_leaves_the_workdir_untouched(
 
 # -- learning-rate schedule on resume ----------------------------------------------------------
 
-def _cfg(steps: int, change: str = "refuse") -> ExperimentConfig:
+def _cfg(steps: int, change: str = "continue") -> ExperimentConfig:
     return ExperimentConfig(optim=OptimConfig(lr=1.0, warmup_steps=10, decay_fraction=0.25),
                             train=TrainConfig(steps=steps, schedule_change=change))
 
@@ -297,13 +297,14 @@ def test_wsd_extended_in_its_stable_phase_continues_and_says_so():
     assert "stable to step 160, decay to step 210" in note
 
 
-def test_wsd_extended_after_its_decay_began_is_refused_or_accepted_explicitly():
+def test_wsd_extended_after_its_decay_began_warns_of_the_jump_or_is_refused():
     saved = _cfg(110).to_dict()
-    with pytest.raises(ConfigError, match=r"from step 86 on.*step 111 would train at lr 1 "
-                                          r"instead of 0\.1.*train\.schedule_change=accept"):
-        check_schedule(saved, _cfg(210), 110, "ckpt")
-    note = check_schedule(saved, _cfg(210, "accept"), 110, "ckpt")
-    assert note.startswith("[schedule] warning:") and "going on under the new plan" in note
+    note = check_schedule(saved, _cfg(210), 110, "ckpt")
+    assert note.startswith("[schedule] warning:") and "continuing under the new plan" in note
+    assert "from step 86 on" in note and "step 111 trains at lr 1 where the old plan had 0.1" in note
+    with pytest.raises(ConfigError, match=r"step 111 trains at lr 1 .*Refused \(train\."
+                                          r"schedule_change=refuse\).*schedule_change=continue"):
+        check_schedule(saved, _cfg(210, "refuse"), 110, "ckpt")
 
 
 def test_history_spans_the_whole_run():

@@ -100,11 +100,12 @@ class TrainConfig:
     """Length of the run and its bookkeeping. ``micro_batches`` splits each step's batch for
     gradient accumulation; ``max_bad_steps`` consecutive non-finite steps stop the run.
 
-    ``schedule_change`` decides a resume whose ``steps`` (or learning-rate settings) would give
-    the steps already trained other learning rates than they had (e.g. more steps after a WSD
-    decay began): ``refuse`` (stop, naming the choice) or ``accept`` (go on with the new plan from
-    the checkpoint's step, the jump logged). A change that leaves the past alone (a WSD run
-    extended while still in its stable phase) always continues, and the log says so.
+    ``schedule_change`` decides a resume whose ``steps`` (or learning-rate settings) differ from
+    the checkpoint's: ``continue`` goes on under the re-planned schedule (a WSD run's stable phase
+    extended and its decay planned at the new end) and logs how; when that plan gives the steps
+    already trained other learning rates than they had (more steps after the decay began), the
+    log line is a warning naming the jump. ``refuse`` stops such a resume instead, naming the
+    choice.
     """
 
     steps: int = 1000
@@ -112,11 +113,11 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     max_bad_steps: int = 5
-    schedule_change: Literal["refuse", "accept"] = "refuse"
+    schedule_change: Literal["continue", "refuse"] = "continue"
 
     def __post_init__(self):
         positive(self, "steps", "micro_batches", "log_every", "max_bad_steps")
-        one_of(self, "schedule_change", ("refuse", "accept"))
+        one_of(self, "schedule_change", ("continue", "refuse"))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class Checkpointer:
         self.directory = Path(directory).resolve()
         self.log, self.async_save, self.on_save_error = log, async_save, on_save_error
         self._pending: int | None = None
+        self._finished: set[int] = set()  # saves this process saw complete (before any manifest)
         options = ocp.CheckpointManagerOptions(
             # max_to_keep is deprecated in orbax 0.12.4: a preservation policy keeps the newest N.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
@@ -91,6 +92,8 @@ class Checkpointer:
                 write_manifest(self.step_path(step))
         except Exception as e:  # noqa: BLE001
             self._save_failed(step, e)
+            return
+        self._finished.add(step)
 
     def poll(self) -> None:
         """Give a finished asynchronous save its manifest now (called every step), so a run
@@ -105,7 +108,8 @@ class Checkpointer:
             self.manager.close()
 
     def last_good_step(self) -> int | None:
-        steps = [s for s in self.manager.all_steps() if (self.step_path(s) / MANIFEST).is_file()]
+        steps = [s for s in self.manager.all_steps()
+                 if s in self._finished or (self.step_path(s) / MANIFEST).is_file()]
         return max(steps) if steps else None
 
     def _save_failed(self, step: int, error: Exception) -> None:

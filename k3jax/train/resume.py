@@ -1,11 +1,12 @@
-"""Resuming a run: what its learning-rate schedule may change, and its history so far.
+"""Resuming a run: what a changed learning-rate schedule does, and the run's history so far.
 
-A resumed run may change ``train.steps`` (or the learning-rate settings) only as far as the steps
-already trained keep the learning rates they had. A WSD run extended while still in its stable
-phase does: the stable phase lasts longer and the decay is planned at the new end. A change that
-would rewrite the past (more steps after the decay began, any change of a cosine schedule past its
-warmup) is refused naming ``train.schedule_change``, or, with ``schedule_change="accept"``, goes on
-under the new plan from the checkpoint's step with the jump logged.
+A resumed run whose ``train.steps`` (or learning-rate settings) changed goes on under the new plan:
+a WSD run keeps its warmup, its stable phase is extended and its decay planned at the new end.
+When the steps already trained had the same learning rates under that plan (a WSD run extended in
+its stable phase), the run continues seamlessly and the log says so. When they did not (more steps
+after the decay began: the learning rate would rise from its decayed value back to the peak), the
+log line is a warning naming the jump, or, with ``train.schedule_change="refuse"``, the resume is
+refused naming that choice.
 """
 
 from __future__ import annotations
@@ -55,16 +56,16 @@ def check_schedule(saved_config: dict, cfg, step: int, path) -> str | None:
     first = int(np.argmax(old_lr != new_lr))
     at_old = float(schedule(old_optim, old_steps)(step))
     at_new = float(schedule(new_optim, new_steps)(step))
-    what = (f"{change} would rewrite the learning rates of steps already trained (from step "
-            f"{first} on; the checkpoint at {path} is at step {step} of a run planned as "
-            f"{plan(old_optim, old_steps)}): step {step + 1} would train at lr {at_new:.3g} "
-            f"instead of {at_old:.3g}")
-    if cfg.train.schedule_change == "accept":
-        return (f"[schedule] warning: {what}; going on under the new plan "
-                f"({plan(new_optim, new_steps)}) as train.schedule_change=accept asks")
-    raise ConfigError(f"{what}. Keep train.steps={old_steps} and the checkpoint's optim "
-                      "settings, use another --workdir, or pass --set "
-                      "train.schedule_change=accept to continue under the new plan anyway")
+    what = (f"{change} changes the learning rates of steps already trained (from step {first} "
+            f"on; the checkpoint at {path} is at step {step} of a run planned as "
+            f"{plan(old_optim, old_steps)}): step {step + 1} trains at lr {at_new:.3g} where the "
+            f"old plan had {at_old:.3g}")
+    if cfg.train.schedule_change == "refuse":
+        raise ConfigError(f"{what}. Refused (train.schedule_change=refuse): keep "
+                          f"train.steps={old_steps} and the checkpoint's optim settings, use "
+                          "another --workdir, or pass --set train.schedule_change=continue")
+    return (f"[schedule] warning: {what}; continuing under the new plan "
+            f"({plan(new_optim, new_steps)}); --set train.schedule_change=refuse stops instead")
 
 
 def _schedule_key(optim, steps: int) -> tuple:
