@@ -3,7 +3,9 @@
     python train.py --config configs/k3_tiny.py --workdir runs/tiny [--set train.steps=500 ...]
 
 The preset file's ``get_config()`` gives the experiment; ``--set`` overrides any field by its dotted
-name. Running the same command again resumes from the newest checkpoint in the workdir.
+name. Running the same command again resumes from the newest checkpoint in the workdir. A mistake
+in what is asked (config, workdir, data, a resume the checkpoint does not allow) is one ``error:``
+line and exit status 2, before anything compiles; a run that fails later exits with status 1.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    from k3jax.train import NonFiniteError, run  # imports JAX: after the config is known good
+    # imports JAX: after the config is known good
+    from k3jax.train import CheckpointSaveError, NonFiniteError, run
 
     # Compiled programs are cached next to the runs, so a resumed or repeated run starts at once.
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
@@ -46,7 +49,10 @@ def main(argv=None) -> int:
 
     try:
         run(config, args.workdir)
-    except (NonFiniteError, ConfigError) as e:
+    except ConfigError as e:  # a mistake in what was asked: found before anything compiled
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (NonFiniteError, CheckpointSaveError) as e:  # the run itself failed
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -23,17 +23,19 @@ def model_config() -> ModelConfig:
 
 
 def get_config():
-    """One-GPU experiment: debtext (English, byte-level BPE of the model's vocabulary), Muon + WSD.
+    """One-GPU experiment: a byte-level BPE of the model's vocabulary, Muon + WSD.
 
-    The corpus path is relative to the repository root; ``--set data.sources=PATH`` points elsewhere.
+    The corpus is yours: ``--set data.sources=FILES_OR_DIRS`` (built and cached on first use) or
+    ``--set data.data_dir=DIR`` (built with ``python -m k3jax.data build ... --tokenizer bpe
+    --vocab 16384``). Without either the run trains on the Python standard library, with a note
+    saying so: it runs anywhere, but it is a small corpus of code, not English.
     """
     from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
                                          ExperimentConfig, OptimConfig, TrainConfig)
 
     return ExperimentConfig(
         model=model_config(),
-        data=DataConfig(sources=("../shared/data/debtext-150.tar.xz",), tokenizer="bpe",
-                        seq_len=2048, batch_size=32, heldout_fraction=0.01,
+        data=DataConfig(tokenizer="bpe", seq_len=2048, batch_size=32, heldout_fraction=0.01,
                         max_doc_bytes=65536),
         optim=OptimConfig(name="muon", lr=3e-3, schedule="wsd", warmup_steps=200,
                           decay_fraction=0.2, weight_decay=0.1, clip_norm=1.0),

@@ -52,8 +52,10 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     for name, batches in task_batches(tasks, cfg.data.seq_len, cfg.data.batch_size,
                                       cfg.eval.batches, cfg.model.vocab_size).items():
         results[name] = evaluate_batches(eval_step, state["params"], state["balance"], batches)
+    # Bits per byte only where the tokens are text (the held-out split of a corpus).
     out = {"step": int(meta["step"]), "workdir": str(workdir),
-           "results": {k: {m: v[m] for m in ("loss", "bpb", "accuracy", "tokens")}
+           "results": {k: {m: v[m] for m in ("loss", "bpb", "accuracy", "tokens")
+                           if m != "bpb" or (k == "heldout" and data.has_bytes)}
                        for k, v in results.items()}}
     (workdir / "eval.json").write_text(json.dumps(out, indent=1))
     return out
@@ -76,7 +78,7 @@ def _axes(model_cfg):
 def format_table(out: dict) -> str:
     rows = [("eval set", "loss (nats/tok)", "bits/byte", "accuracy", "tokens")]
     for name, r in out["results"].items():
-        bpb = f"{r['bpb']:.4f}" if name == "heldout" else "-"
+        bpb = f"{r['bpb']:.4f}" if "bpb" in r else "-"
         rows.append((name, f"{r['loss']:.4f}", bpb, f"{r['accuracy']:.4f}", f"{int(r['tokens']):,}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"checkpoint step {out['step']} of {out['workdir']}"]

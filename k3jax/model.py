@@ -19,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.layers.decoder import DecoderLayer
@@ -71,7 +72,7 @@ class K3Model(nn.Module):
                  deterministic: bool = True) -> jax.Array:
         cfg = self.cfg
         cdt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        _check_tokens(tokens, segment_ids)
+        _check_tokens(tokens, segment_ids, cfg.vocab_size)
         table = self.param("embedding", normal(cfg.init_std, ("vocab", "embed")),
                            (cfg.vocab_size, cfg.d_model), pdt)
         x = constrain(jnp.take(table, tokens, axis=0).astype(cdt), ACTIVATION_AXES)
@@ -117,9 +118,18 @@ class K3Model(nn.Module):
         return state
 
 
-def _check_tokens(tokens, segment_ids) -> None:
+def _check_tokens(tokens, segment_ids, vocab_size: int) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T]; got {tokens.dtype}{tokens.shape}")
+    # jnp.take clamps or fills out-of-range ids (NaN logits) without a word: reject them whenever
+    # the values are known (eager calls); under jit they are not, and the data path checks them.
+    concrete = not isinstance(tokens, jax.core.Tracer)
+    if concrete and tokens.size and getattr(tokens, "is_fully_addressable", True):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"tokens: ids must lie in [0, model.vocab_size={vocab_size}); "
+                             f"got ids from {lo} to {hi}")
     if segment_ids is not None and (segment_ids.shape != tokens.shape
                                     or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise ValueError(f"segment_ids must be an integer array of tokens' shape {tokens.shape}; "

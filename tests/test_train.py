@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncate every file
     resumed = train("B")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return {"root": root, "A": a, "B": resumed, "damaged": damaged, "done": done}
+    return {"root": root, "A": a, "B": resumed, "damaged": damaged, "done": done, "train": train}
 
 
 def _final_state(workdir: Path, step: int = STEPS):
@@ -131,6 +131,22 @@ def test_resume_after_sigkill_is_bit_exact_and_skips_damage(runs):
     steps = [json.loads(x)["step"] for x in (runs["root"] / "B" / "metrics.jsonl").read_text()
              .splitlines() if json.loads(x)["kind"] == "train"]
     assert steps == sorted(set(steps))  # records after the restored step were dropped
+    # The damaged checkpoint is one console line, not orbax's tracebacks (they go to train.log).
+    assert "Traceback" not in err and (runs["root"] / "B" / "train.log").is_file()
+    # The resumed run's summary covers the whole run, the killed process's evaluations too.
+    a, b = (json.loads((runs["root"] / w / "summary.json").read_text()) for w in "AB")
+    assert b["heldout_first"]["step"] == 0 and b["heldout_first"] == a["heldout_first"]
+    assert b["heldout_last"] == a["heldout_last"]
+    assert b["final_train_loss"] == a["final_train_loss"]
+
+
+def test_rerun_of_a_finished_run_keeps_its_summary(runs):
+    before = json.loads((runs["root"] / "A" / "summary.json").read_text())
+    again = runs["train"]("A")
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = json.loads((runs["root"] / "A" / "summary.json").read_text())
+    for key in ("steps", "final_train_loss", "heldout_first", "heldout_last"):
+        assert after[key] == before[key], key
 
 
 def test_evaluate_and_plot(runs, capsys):

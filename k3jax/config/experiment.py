@@ -98,28 +98,42 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """Length of the run and its bookkeeping. ``micro_batches`` splits each step's batch for
-    gradient accumulation; ``max_bad_steps`` consecutive non-finite steps stop the run."""
+    gradient accumulation; ``max_bad_steps`` consecutive non-finite steps stop the run.
+
+    ``schedule_change`` decides a resume whose ``steps`` (or learning-rate settings) differ from
+    the checkpoint's: ``continue`` goes on under the re-planned schedule (a WSD run's stable phase
+    extended and its decay planned at the new end) and logs how; when that plan gives the steps
+    already trained other learning rates than they had (more steps after the decay began), the
+    log line is a warning naming the jump. ``refuse`` stops such a resume instead, naming the
+    choice.
+    """
 
     steps: int = 1000
     micro_batches: int = 1
     seed: int = 0
     log_every: int = 10
     max_bad_steps: int = 5
+    schedule_change: Literal["continue", "refuse"] = "continue"
 
     def __post_init__(self):
         positive(self, "steps", "micro_batches", "log_every", "max_bad_steps")
+        one_of(self, "schedule_change", ("continue", "refuse"))
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Save every ``every`` steps (and at the end), keep the newest ``keep``."""
+    """Save every ``every`` steps (and at the end), keep the newest ``keep``. A save that fails
+    (disk full, permissions) stops the run (``on_save_error="stop"``) or is logged while training
+    goes on (``"continue"``); either way the older checkpoints stay."""
 
     every: int = 200
     keep: int = 3
     async_save: bool = True
+    on_save_error: Literal["stop", "continue"] = "stop"
 
     def __post_init__(self):
         positive(self, "every", "keep")
+        one_of(self, "on_save_error", ("stop", "continue"))
 
 
 @dataclass(frozen=True)
@@ -156,6 +170,8 @@ class ExperimentConfig:
         if moe is not None and self.mesh.expert > 0 and moe.num_experts % self.mesh.expert:
             fail(self, "mesh.expert", self.mesh.expert,
                  f"must divide model.moe.num_experts={moe.num_experts}")
+        if self.data.task != "corpus" or self.data.data_dir is not None:
+            return  # synthetic tokens have their own layout; a built corpus brings its tokenizer
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             fail(self, "model.vocab_size", self.model.vocab_size,
                  "the byte tokenizer needs a vocabulary of at least 256")
@@ -175,8 +191,15 @@ def load_config(path: str | Path) -> ExperimentConfig:
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file")
     spec = importlib.util.spec_from_file_location(f"_k3jax_preset_{path.stem}", path)
+    if path.suffix != ".py" or spec is None or spec.loader is None:
+        raise ConfigError(f"--config {str(path)!r}: not a Python preset file (expected a .py "
+                          "file defining get_config(), e.g. configs/k3_tiny.py)")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a preset is user code: any failure is its mistake
+        raise ConfigError(f"--config {str(path)!r} failed to load ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"--config {str(path)!r} defines no get_config()")
     cfg = module.get_config()

@@ -92,6 +92,11 @@ def build_corpus(sources: list[str], out: str | Path, *, tokenizer: str = "byte"
         raise ValueError(f"--source {sources}: no text documents found")
     val_mask = _heldout_mask(docs, heldout_fraction, seed)
     tok = _make_tokenizer(tokenizer, vocab_size, [d.data for d, v in zip(docs, val_mask) if not v])
+    if tok.kind == "bpe" and tok.vocab_size < vocab_size:
+        log(f"[data] note: the BPE reached {tok.vocab_size:,} tokens, fewer than the "
+            f"{vocab_size:,} asked: the training text has no more merges to learn. Token ids "
+            f"stop at {tok.vocab_size - 1}; a model with a larger vocabulary trains, its extra "
+            "rows unused")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

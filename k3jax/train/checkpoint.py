@@ -1,19 +1,29 @@
-"""Checkpoints with orbax: asynchronous saves, keep the newest N, exact resume, damage tolerance.
+"""Checkpoints with orbax: asynchronous saves, keep the newest N, exact resume, verified restores.
 
 A checkpoint holds two items: ``state`` (the whole training state of :mod:`k3jax.train.step`:
 parameters, optimiser state, MoE ``balance`` biases, step, RNG, non-finite counters) and ``meta``
-(JSON: the resolved config, the step and the data position). Resuming re-runs the same command: the
-newest checkpoint that restores is used; one that does not (truncated or corrupted files) is
-reported by path and the next older one is tried. A config whose model or optimiser differs from
-the checkpoint's is an error naming the differing fields; a shape that differs names the parameter.
+(JSON: the resolved config, the step and the data position).
+
+Orbax 0.12.4 checks no content on restore (its zarr3 layout checksums only the shard index; bytes
+changed inside a data file restore silently), so the last act of every save is a manifest
+(:data:`MANIFEST`: the SHA-256 and size of every file of the step directory), and a checkpoint is
+restored only after its files match it. A checkpoint that does not (no manifest: the save never
+finished; a file changed, missing or extra) is named in one line, moved to
+``checkpoints_unrestorable/`` and the next older one is tried. A config whose model or optimiser
+differs from the checkpoint's is an error naming the differing fields; a shape that differs names
+the parameter. A save that fails (disk full, permissions) is one line naming the path and the
+reason; its temporary files are removed, older checkpoints stay, and the run stops or goes on as
+``checkpoint.on_save_error`` says.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,13 +33,26 @@ from k3jax.config.base import ConfigError
 # Sections of the config that must match to resume (the rest, e.g. train.steps, may change).
 MUST_MATCH = ("model", "optim.name", "train.micro_batches", "data.task", "data.tokenizer",
               "data.seed", "data.seq_len", "data.batch_size")
+MANIFEST = "content_sha256.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names an unfinished save STEP.orbax-checkpoint-tmp-T
+UNRESTORABLE = "checkpoints_unrestorable"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed and ``checkpoint.on_save_error`` is ``stop``."""
+
+
+class CheckpointDamaged(Exception):
+    """A step directory's files do not match its manifest (or it has none)."""
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, async_save: bool = True,
-                 log: Callable[[str], Any] = print):
+                 log: Callable[[str], Any] = print, on_save_error: str = "stop"):
         self.directory = Path(directory).resolve()
-        self.log = log
+        self.log, self.async_save, self.on_save_error = log, async_save, on_save_error
+        self._pending: int | None = None
+        self._finished: set[int] = set()  # saves this process saw complete (before any manifest)
         options = ocp.CheckpointManagerOptions(
             # max_to_keep is deprecated in orbax 0.12.4: a preservation policy keeps the newest N.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
@@ -45,70 +68,172 @@ class Checkpointer:
         return self.directory / str(step)
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        """Start saving ``step`` (asynchronously when so configured); the previous save is finished
+        and given its manifest first."""
+        self.wait()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - any failure of the write is reported the same way
+            self._save_failed(step, e)
+            return
+        self._pending = step
+        if not self.async_save:
+            self.wait()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Finish the save in flight, if any, and write its manifest."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_manifest(self.step_path(step))
+        except Exception as e:  # noqa: BLE001
+            self._save_failed(step, e)
+            return
+        self._finished.add(step)
+
+    def poll(self) -> None:
+        """Give a finished asynchronous save its manifest now (called every step), so a run
+        killed later keeps it as a verified checkpoint."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
     def last_good_step(self) -> int | None:
-        steps = self.manager.all_steps()
+        steps = [s for s in self.manager.all_steps()
+                 if s in self._finished or (self.step_path(s) / MANIFEST).is_file()]
         return max(steps) if steps else None
 
-    def restore_latest(self, abstract_state: dict, config: dict,
-                       move_aside: bool = True) -> tuple[dict, dict] | None:
-        """The newest restorable ``(state, meta)``, or None when there is no checkpoint.
+    def _save_failed(self, step: int, error: Exception) -> None:
+        """Remove what the failed save left (orbax's temporary directory, a step directory without
+        manifest), then stop or go on as configured."""
+        if jax.process_index() == 0:
+            for tmp in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not (self.step_path(step) / MANIFEST).is_file():
+                shutil.rmtree(self.step_path(step), ignore_errors=True)
+        self.manager.reload()
+        good = self.last_good_step()
+        newest = self.step_path(good) if good is not None else "none"
+        what = (f"saving step {step} to {self.step_path(step)} failed ({_reason(error)}); "
+                f"newest good checkpoint: {newest}")
+        if self.on_save_error == "stop":
+            raise CheckpointSaveError(f"{what}. Stopping (checkpoint.on_save_error=stop)")
+        self.log(f"[checkpoint] error: {what}; training goes on (checkpoint.on_save_error=continue)")
 
-        ``abstract_state`` gives shapes, dtypes and tree structure; ``config`` is the resolved
-        config dict of this run, compared with the checkpoint's (:data:`MUST_MATCH`).
+    # -- restoring ---------------------------------------------------------------------------
+
+    def newest_usable(self, config: dict, abstract_state: Any,
+                      move_aside: bool = True) -> tuple[int, dict] | None:
+        """``(step, meta)`` of the newest checkpoint whose files match their manifest and whose
+        metadata restores; None when there is none. Damaged ones are reported (and moved aside).
+
+        ``config`` (the resolved config dict of this run) must agree with the checkpoint's on
+        :data:`MUST_MATCH` and ``abstract_state`` (shapes) with its arrays, else ConfigError.
+        Reads metadata only: nothing is compiled or restored.
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.step_path(step)
             try:
+                verify_manifest(path)
                 meta = self.manager.restore(step, args=ocp.args.Composite(
                     meta=ocp.args.JsonRestore()))["meta"]
+                saved_tree = self.manager.item_metadata(step)["state"]
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
                 self._report(path, e, move_aside)
                 continue
             check_config(meta.get("config", {}), config, path)
+            check_shapes(saved_tree, abstract_state, path)
+            return step, meta
+        return None
+
+    def restore(self, step: int, abstract_state: dict) -> dict:
+        """The state of a checkpoint :meth:`newest_usable` chose, laid out as ``abstract_state``
+        (shapes, dtypes and shardings: every process reads only its own shards)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))["state"]
+        return jax.block_until_ready(restored)
+
+    def restore_latest(self, abstract_state: dict, config: dict,
+                       move_aside: bool = True) -> tuple[dict, dict] | None:
+        """The newest verified ``(state, meta)``, or None when there is no checkpoint."""
+        while (found := self.newest_usable(config, abstract_state, move_aside)) is not None:
+            step, meta = found
             try:
-                check_shapes(self.manager.item_metadata(step)["state"], abstract_state, path)
-            except ConfigError:
-                raise
+                return self.restore(step, abstract_state), meta
             except Exception as e:  # noqa: BLE001
-                self._report(path, e, move_aside)
-                continue
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state)))["state"]
-                jax.block_until_ready(restored)
-            except Exception as e:  # noqa: BLE001
-                self._report(path, e, move_aside)
-                continue
-            return restored, meta
+                self._report(self.step_path(step), e, move_aside)
+                if not move_aside:
+                    return None
         return None
 
     def _report(self, path: Path, error: Exception, move_aside: bool) -> None:
         """Log the unusable checkpoint and move it aside (a later save may need its step)."""
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         if not move_aside:
-            self.log(f"[checkpoint] cannot restore {path} ({type(error).__name__}: {first}); "
+            self.log(f"[checkpoint] cannot restore {path} ({_reason(error)}); "
                      "trying the next older checkpoint")
             return
-        if jax.process_index() != 0:  # one process moves it; the others only skip it
-            return
-        aside = self.directory.parent / "checkpoints_unrestorable" / path.name
-        aside.parent.mkdir(exist_ok=True)
-        if aside.exists():
-            shutil.rmtree(aside)
-        shutil.move(str(path), str(aside))
+        aside = self.directory.parent / UNRESTORABLE / path.name
+        if jax.process_index() == 0:  # one process moves it; the others only skip it
+            aside.parent.mkdir(exist_ok=True)
+            if aside.exists():
+                shutil.rmtree(aside)
+            shutil.move(str(path), str(aside))
         self.manager.reload()
-        self.log(f"[checkpoint] cannot restore {path} ({type(error).__name__}: {first}); "
+        self.log(f"[checkpoint] cannot restore {path} ({_reason(error)}); "
                  f"moved it to {aside}; trying the next older checkpoint")
+
+
+def write_manifest(step_dir: Path) -> None:
+    """Hash every file of a finished save; written last (atomically), so its presence says the
+    save completed."""
+    files = {str(f.relative_to(step_dir)): _file_entry(f) for f in _files(step_dir)}
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=0))
+    tmp.replace(step_dir / MANIFEST)
+
+
+def verify_manifest(step_dir: Path) -> None:
+    """Raise CheckpointDamaged naming the first file that differs from the manifest."""
+    manifest = step_dir / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointDamaged(f"no {MANIFEST}: the save did not finish")
+    try:
+        want = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointDamaged(f"{MANIFEST} is unreadable ({e})") from None
+    have = {str(f.relative_to(step_dir)) for f in _files(step_dir)}
+    if missing := sorted(set(want) - have):
+        raise CheckpointDamaged(f"file {missing[0]} is missing ({len(missing)} in all)")
+    if extra := sorted(have - set(want)):
+        raise CheckpointDamaged(f"file {extra[0]} was not part of the save")
+    for name, entry in want.items():
+        if _file_entry(step_dir / name) != entry:
+            raise CheckpointDamaged(f"file {name} changed since it was saved (size or SHA-256)")
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(f for f in step_dir.rglob("*") if f.is_file() and f.name != MANIFEST
+                  and not f.name.startswith(f".{MANIFEST}"))
+
+
+def _file_entry(path: Path) -> dict:
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"size": path.stat().st_size, "sha256": digest}
+
+
+def _reason(error: Exception) -> str:
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def check_config(saved: dict, current: dict, path: Path) -> None:
@@ -160,7 +285,7 @@ def _diff(a, b, key: str) -> list[str]:
         for k in sorted(set(a) | set(b)):
             out += _diff(a.get(k), b.get(k), f"{key}.{k}")
         return out
-    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731 - tuples vs lists after JSON
+    norm = lambda v: json.loads(json.dumps(v))
     return [] if norm(a) == norm(b) else [f"{key}: checkpoint {a!r} vs config {b!r}"]
 
 

@@ -19,16 +19,20 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from k3jax.config.base import ConfigError
 from k3jax.data import make_data
 from k3jax.train.checkpoint import Checkpointer, abstract_like
 from k3jax.train.evaluation import evaluate_batches, task_batches
-from k3jax.train.metrics import MetricsWriter, flatten
+from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
 from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.resume import check_schedule, history
 from k3jax.train.step import BATCH_KEYS, init_state, make_eval_step, make_train_step
+from k3jax.train.workdir import LOG_FILE, RunLog, check_workdir, lock_run
 
 # Fault injection for the resume test: SIGKILL this process right after this step is dispatched.
 KILL_ENV = "K3JAX_FAULT_KILL_AFTER_STEP"
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+EVAL_KEYS = ("loss", "bpb", "accuracy")  # what the metrics and the summary keep of an evaluation
 
 
 class NonFiniteError(RuntimeError):
@@ -50,44 +54,79 @@ class Progress:
 
 
 def run(cfg, workdir: str | Path, log=None) -> dict:
-    """Train ``cfg`` (an ExperimentConfig) in ``workdir``; resumes from its checkpoints."""
-    from k3jax.model import K3Model, abstract_variables
-    from k3jax.parallel import (batch_placement, check_experts_fit, init_sharded_state,
-                                initialize_distributed, make_mesh, sharded_step, shardings_of,
-                                under_mesh)
+    """Train ``cfg`` (an ExperimentConfig) in ``workdir``; resumes from its checkpoints.
+
+    Whatever can refuse the run (the workdir, the data, another run holding the workdir, a
+    checkpoint made with another config or schedule) is checked before anything in the workdir
+    changes and before anything compiles; such mistakes raise ConfigError.
+    """
+    from k3jax.parallel import initialize_distributed
 
     initialize_distributed()  # several processes (JAX_COORDINATOR_ADDRESS, SLURM, ...): join them
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = log or (lambda msg: tqdm.write(str(msg), file=sys.stderr))
-    config = cfg.to_dict()
-    (workdir / "config.json").write_text(json.dumps(config, indent=1))
-
+    workdir = check_workdir(workdir)
+    log = RunLog(log or (lambda msg: tqdm.write(str(msg), file=sys.stderr)))
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
+    lock = lock_run(workdir)
+    try:
+        log.open(workdir / (LOG_FILE if jax.process_index() == 0
+                            else f"train.process{jax.process_index()}.log"))
+        return _run_locked(cfg, workdir, data, log)
+    except ConfigError as e:
+        log.record(f"error: {e}")  # the caller prints it; the log file keeps it too
+        raise
+    finally:
+        log.close()
+        lock.release()
+
+
+def _run_locked(cfg, workdir: Path, data, log) -> dict:
+    from k3jax.model import K3Model, abstract_variables
+    from k3jax.parallel import (batch_placement, check_experts_fit, init_sharded_state,
+                                make_mesh, sharded_step, shardings_of, under_mesh)
+
+    first_process = jax.process_index() == 0
+    config = _recorded_config(cfg, data)
     log(f"[data] {data.description}")
     micro = cfg.data.batch_size // cfg.train.micro_batches
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
     if cfg.model.moe is not None:
         check_experts_fit(mesh, rules, cfg.model.moe.num_experts)
-    params = abstract_variables(cfg.model, (micro, cfg.data.seq_len))["params"]
+    variables = abstract_variables(cfg.model, (micro, cfg.data.seq_len))
+    params = variables["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, _logical_axes(cfg.model))
+
+    def make_state(p, b):
+        return init_state(p, b, optimizer, cfg.train.seed)
+
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                        log=log, on_save_error=cfg.checkpoint.on_save_error)
+    try:
+        found = ckpt.newest_usable(config, jax.eval_shape(make_state, params,
+                                                          variables.get("balance", {})))
+        if found is not None:
+            note = check_schedule(found[1].get("config", {}), cfg, found[0],
+                                  ckpt.step_path(found[0]))
+            if note:
+                log(note)
+    except BaseException:
+        ckpt.close()
+        raise
+    # The run can go on: from here on the workdir changes.
+    if first_process:
+        (workdir / "config.json").write_text(json.dumps(config, indent=1))
     # Jitted with out_shardings: parameters and optimiser moments are created already sharded.
     state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
-                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed),
-                               (micro, cfg.data.seq_len))
+                               make_state, (micro, cfg.data.seq_len))
     state_shardings = shardings_of(state)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
-
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                        log=log)
-    # Restoring into the live state's shardings lets every process read only its own shards.
-    restored = ckpt.restore_latest(abstract_like(state), config)
-    if restored is not None:
-        state = restored[0]
+    if found is not None:
+        # Restoring into the live state's shardings lets every process read only its own shards.
+        state = ckpt.restore(found[0], abstract_like(state))
         log(f"[checkpoint] resumed from {ckpt.step_path(int(state['step']))}")
     start = int(state["step"])
-    writer = MetricsWriter(workdir, start, enabled=jax.process_index() == 0)
+    writer = MetricsWriter(workdir, start, enabled=first_process)
+    past = history(read_metrics(workdir), start) if start else {}
 
     model = K3Model(cfg.model)
     on_cpu = jax.default_backend() == "cpu"
@@ -103,7 +142,9 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
     def evaluate(step: int, prog: Progress) -> None:
         result = evaluate_batches(eval_step, state["params"], state["balance"], data.heldout)
-        record = {"loss": result["loss"], "bpb": result["bpb"], "accuracy": result["accuracy"],
+        if not data.has_bytes:
+            result.pop("bpb")
+        record = {**{k: result[k] for k in EVAL_KEYS if k in result},
                   **flatten(result["diag"], "diag/")}
         for name, batches in tasks.items():
             r = evaluate_batches(eval_step, state["params"], state["balance"], batches)
@@ -112,10 +153,9 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
         prog.first_eval = prog.first_eval or {"step": step, **result}
         prog.last_eval = {"step": step, **result}
         extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in tasks)
-        log(f"[eval] step {step}: held-out loss {result['loss']:.4f}, "
-            f"{result['bpb']:.4f} bits/byte{extra}")
+        log(f"[eval] step {step}: held-out {_eval_words(result)}{extra}")
 
-    prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len)
+    prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
     if start == 0:
         evaluate(0, prog)
     mfu = _mfu_fn(cfg)
@@ -141,10 +181,13 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
             else:
                 prog.window_steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                _log_train(writer, bar, prog, done, metrics, float(host_batch["nbytes"]), mfu)
+                nbytes = float(host_batch["nbytes"]) if data.has_bytes else 0.0
+                _log_train(writer, bar, prog, done, metrics, nbytes, mfu)
             bar.update(1)
             if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
                 ckpt.save(done, state, _meta(config, done, cfg))
+            else:
+                ckpt.poll()
             if done == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if done % cfg.eval.every == 0 or done == cfg.train.steps:
@@ -153,14 +196,32 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
             _check_finite(pending, cfg.train.max_bad_steps, ckpt)
     finally:
         bar.close()
-        ckpt.close()
         writer.close()
+        ckpt.close()
     summary = _summary(prog, state, cfg, workdir, ckpt)
     for line in summary["lines"]:
         log(line)
-    (workdir / "summary.json").write_text(json.dumps(
-        {k: v for k, v in summary.items() if k != "lines"}, indent=1))
+    if first_process:
+        (workdir / "summary.json").write_text(json.dumps(
+            {k: v for k, v in summary.items() if k != "lines"}, indent=1))
     return summary
+
+
+def _recorded_config(cfg, data) -> dict:
+    """The config as ``config.json`` and the checkpoints record it: with a built corpus, the
+    tokenizer is the one that made it (``data.tokenizer`` names what a build would use)."""
+    config = cfg.to_dict()
+    if data.tokenizer is not None:
+        config["data"]["tokenizer"] = data.tokenizer["kind"]
+        config["data"]["corpus"] = data.tokenizer
+    return config
+
+
+def _eval_words(result: dict) -> str:
+    words = f"loss {result['loss']:.4f}"
+    if "bpb" in result:
+        words += f", {result['bpb']:.4f} bits/byte"
+    return words + ("" if "bpb" in result else f", accuracy {result['accuracy']:.3f}")
 
 
 def _log_train(writer, bar, prog: Progress, step: int, metrics, nbytes, mfu) -> None:
@@ -210,9 +271,14 @@ def _summary(prog: Progress, state, cfg, workdir: Path, ckpt: Checkpointer) -> d
            "final_train_loss": prog.last_loss}
     if prog.first_eval and prog.last_eval:
         a, b = prog.first_eval, prog.last_eval
-        lines.append(f"[done] held-out: {a['bpb']:.3f} -> {b['bpb']:.3f} bits/byte "
-                     f"({a['loss']:.3f} -> {b['loss']:.3f} nats/token), steps {a['step']} -> "
-                     f"{b['step']}")
+        if "bpb" in a and "bpb" in b:
+            lines.append(f"[done] held-out: {a['bpb']:.3f} -> {b['bpb']:.3f} bits/byte "
+                         f"({a['loss']:.3f} -> {b['loss']:.3f} nats/token), steps {a['step']} "
+                         f"-> {b['step']}")
+        else:
+            lines.append(f"[done] held-out: loss {a['loss']:.3f} -> {b['loss']:.3f} nats/token, "
+                         f"accuracy {a['accuracy']:.3f} -> {b['accuracy']:.3f}, steps "
+                         f"{a['step']} -> {b['step']}")
         out.update(heldout_first=_pick(a), heldout_last=_pick(b))
     good = ckpt.last_good_step()
     lines.append(f"[done] non-finite steps skipped: {int(state['skipped'])}; checkpoint "
@@ -223,7 +289,7 @@ def _summary(prog: Progress, state, cfg, workdir: Path, ckpt: Checkpointer) -> d
 
 
 def _pick(e: dict) -> dict:
-    return {k: e[k] for k in ("step", "loss", "bpb", "accuracy")}
+    return {k: e[k] for k in ("step", *EVAL_KEYS) if k in e}
 
 
 def _count(params) -> int:

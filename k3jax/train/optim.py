@@ -203,18 +203,24 @@ def grouped_muon(learning_rate, beta: float = 0.95, eps: float = 1e-8, weight_de
         optax.scale_by_learning_rate(learning_rate))
 
 
+def phases(cfg, total_steps: int) -> tuple[int, int, int]:
+    """``(warmup, rest, decay)`` steps of :func:`schedule`: ``warmup`` linear steps, then ``rest``
+    steps of which a WSD schedule spends the last ``decay`` decaying."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    rest = max(total_steps - warmup, 1)
+    return warmup, rest, max(int(round(cfg.decay_fraction * rest)), 1)
+
+
 def schedule(cfg, total_steps: int) -> optax.Schedule:
     """Learning rate per step for ``cfg`` (an OptimConfig); warmup is linear from 0."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    rest = max(total_steps - warmup, 1)
+    warmup, rest, decay = phases(cfg, total_steps)
     warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
     elif cfg.schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio)
     else:  # warmup-stable-decay: flat, then linear to the floor over the last decay_fraction
-        decay = max(int(round(cfg.decay_fraction * rest)), 1)
         after = optax.join_schedules(
             [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
             [rest - decay])
@@ -257,4 +263,4 @@ def build_optimizer(cfg, total_steps: int, params, axes=None) -> optax.GradientT
 
 __all__ = ["BATCH_AXES", "NO_DECAY", "NOT_MUON", "NS_COEFFS", "build_optimizer", "decay_mask",
            "grouped_muon", "muon_dims", "muon_labels", "newton_schulz", "orthogonalize_grouped",
-           "scale_by_grouped_muon", "schedule"]
+           "phases", "scale_by_grouped_muon", "schedule"]
