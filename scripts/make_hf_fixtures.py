@@ -82,7 +82,7 @@ def check_bias_changes_top_k(model, tokens) -> None:
 
 
 def released_layout(state: dict, config: KimiLinearConfig) -> dict:
-    """transformers saves dense FFNs under ``block_sparse_moe.``; the released files use ``mlp.``."""
+    """transformers saves dense FFNs under ``block_sparse_moe.``; released files use ``mlp.``."""
     out = {}
     for k, v in state.items():
         layer = int(k.split(".")[2]) if k.startswith("model.layers.") else None
@@ -147,8 +147,8 @@ def k3_config(kl: dict) -> dict:
              "config_groups": {"group_0": {"targets": ["Linear"], **{
                  k: (v.model_dump() if hasattr(v, "model_dump") else v)
                  for k, v in MXFP4A16.items()}}},
-             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj",
-                        "lm_head"]}
+             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                        "re:.*mlp\\.(gate|up|down)_proj", "lm_head"]}
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
             "text_config": text, "quantization_config": quant}
 

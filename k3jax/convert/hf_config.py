@@ -65,10 +65,11 @@ class _Fields:
         return value
 
     def expect(self, name: str, allowed: tuple, why: str) -> Any:
-        """A field k3jax represents only with the values ``allowed`` (absent counts as the first)."""
+        """A field k3jax represents only with the values ``allowed`` (absent: the first)."""
         value = self.get(name, default=allowed[0])
         if value not in allowed:
-            raise ConfigError(f"{self.where}.{name}={value!r} cannot be represented in k3jax: {why}")
+            raise ConfigError(f"{self.where}.{name}={value!r} cannot be represented in k3jax: "
+                              f"{why}")
         return value
 
     def check_unknown(self, inert: set) -> None:
@@ -178,7 +179,7 @@ def _mla_layers(f: _Fields, lin: _Fields, layers: int) -> tuple[int, ...]:
 
 
 def _mla_every(mla_layers: tuple[int, ...], layers: int) -> int | None:
-    """The period ``p`` when the schedule is k3jax's rule (every ``p``-th and the last), else None."""
+    """The period ``p`` if the schedule is k3jax's rule (every ``p``-th and the last), else None."""
     for p in range(1, layers + 1):
         rule = {i for i in range(layers) if (i + 1) % p == 0} | {layers - 1}
         if rule == set(mla_layers):

@@ -1,11 +1,11 @@
-"""Hugging Face safetensors -> k3jax variables and an ordinary k3jax checkpoint (a training workdir).
+"""Hugging Face safetensors -> k3jax variables and an ordinary k3jax checkpoint (a workdir).
 
 The import checks every name and shape from the file headers before reading any data, then streams:
-the target variables are allocated on the devices in their final sharding (zeros), and the shards are
-read one after another, each tensor copied out, changed to the k3jax layout (transposes, conv and
-``A_log`` reshapes, MXFP4 decoding) and written into its slot of the device array (a scanned layer
-or one expert of a stacked expert tensor) by a jitted in-place update. The host holds one tensor at
-a time, never the model.
+the target variables are allocated on the devices in their final sharding (zeros), and the shards
+are read one after another, each tensor copied out, changed to the k3jax layout (transposes, conv
+and ``A_log`` reshapes, MXFP4 decoding) and written into its slot of the device array (a scanned
+layer or one expert of a stacked expert tensor) by a jitted in-place update. The host holds one
+tensor at a time, never the model.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def e8m0_scales(scale: np.ndarray) -> np.ndarray:
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32, name: str = "weight"):
-    """``weight_packed [out, in/2]`` and ``weight_scale [out, in/32]`` -> ``[out, in]`` of ``dtype``.
+    """``weight_packed [out, in/2]``, ``weight_scale [out, in/32]`` -> ``[out, in]`` ``dtype``.
 
     ``name`` (the tensor's checkpoint name) makes a shape error say which tensor is wrong.
     """

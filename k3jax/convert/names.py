@@ -157,7 +157,8 @@ def _moe(cfg: ModelConfig, p: str, t: tuple[str, ...], b: tuple[str, ...]) -> li
 
 def _attnres(p: str, d: int, t: tuple[str, ...]) -> list[Entry]:
     """Released mix: ``rmsnorm_noweight(v) . (norm.weight * proj.weight)`` = k3jax's
-    ``query . RMSNorm_{key_norm}(v)`` with ``query = proj.weight[0]``, ``key_norm = norm.weight``."""
+    ``query . RMSNorm_{key_norm}(v)`` with ``query = proj.weight[0]`` and
+    ``key_norm = norm.weight``."""
     return [_vector(f"{p}_norm.weight", d, t + ("key_norm",)),
             Entry(f"{p}_proj.weight", (1, d), t + ("query",), lambda x: x[0].copy(),
                   lambda q: q[None, :].copy())]
@@ -215,7 +216,7 @@ def layer_places(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | Non
 
 
 def place(entry: Entry, places: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The real variable path of ``entry`` and the leading indices (scan repeat, expert) it fills."""
+    """The variable path of ``entry`` and the leading indices (scan repeat, expert) it fills."""
     coll, *rest = entry.target
     index: tuple[int, ...] = ()
     if rest[0] in places:
