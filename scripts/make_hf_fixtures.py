@@ -5,6 +5,11 @@ the short conv and the chunked KDA), safetensors and compressed-tensors; the tes
 none of them. Run from the repository root:
 
     python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf/
+    python scripts/make_hf_fixtures.py --check-export DIR   # transformers loads a to-hf output
+
+``--check-export`` loads a directory written by ``python -m k3jax.convert to-hf`` (from the
+imported ``kimi_linear`` fixture) with transformers, asserts no tensor is missing or unexpected and
+prints the relative RMS error of its fp32 logits against the stored ones (0 for an fp32 export).
 
 Writes:
 * ``kimi_linear/``: a tiny random Kimi Linear (KDA, MLA and MoE layers, a dense layer 0), fp32, in
@@ -20,6 +25,7 @@ Writes:
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -244,7 +250,25 @@ def attnres_reference(tensors: dict, eps: float, gen: torch.Generator) -> dict:
     return {"attnres/sources": v.numpy(), "attnres/mix": mix.numpy()}
 
 
+def check_export(directory: str) -> None:
+    expected = np.load(OUT / "expected.npz")
+    model, info = KimiLinearForCausalLM.from_pretrained(directory, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, problems
+    with torch.no_grad():
+        logits = model.float()(torch.tensor(expected["tokens"])).logits.numpy()
+    ref = expected["logits"]
+    err = np.sqrt(np.mean((logits - ref) ** 2)) / np.sqrt(np.mean(ref ** 2))
+    print(json.dumps({"directory": directory, "rel_rms_vs_fixture_logits": float(err)}))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check-export", metavar="DIR")
+    args = parser.parse_args()
+    if args.check_export:
+        check_export(args.check_export)
+        return
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)

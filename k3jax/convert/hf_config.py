@@ -40,6 +40,9 @@ K3_TOP_INERT = {"vision_config", "quantization_config", "media_placeholder_token
                 "ignore_index", "pad_token_id", "architectures", "auto_map", "model_type",
                 "transformers_version", "dtype", "torch_dtype", "use_cache", "tie_word_embeddings",
                 "_name_or_path"}
+# Carried from the imported file on export (they steer tokenisation and generation, not logits).
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "model_max_length", "use_cache",
+           "tokenizer_class", "chat_template")
 HF_ACT = {"silu": "swiglu", "situ": "situ_glu"}
 KDA, MLA_TYPE = "linear_attention", "full_attention"
 
@@ -254,16 +257,21 @@ def _moe_config(f: _Fields, layers: int, glu: dict) -> tuple[int, MoEConfig | No
 
 # -- export --------------------------------------------------------------------------------------
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelConfig, original: dict | None = None) -> dict:
     """A Kimi Linear ``config.json`` dict that transformers (>= 5) and the released code read.
 
-    Raises :class:`ConfigError` naming every k3jax setting the Kimi Linear layout cannot hold.
+    ``original``: the imported file's config, whose token ids and generation settings
+    (:data:`CARRIED`) are kept; without it they are ``None`` (transformers' defaults are the
+    released vocabulary's ids). Raises :class:`ConfigError` naming every k3jax setting the Kimi
+    Linear layout cannot hold.
     """
     _check_exportable(cfg)
     k, m, moe = cfg.kda, cfg.mla, cfg.moe
     mla = [i for i, t in enumerate(cfg.layer_types) if t == "mla"]
+    carried = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+               **{k: v for k, v in (original or {}).items() if k in CARRIED}}
     out = {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        **carried, "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.num_layers, "intermediate_size": cfg.dense_ffn.intermediate_size,
         "hidden_act": "silu", "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
+from k3jax.convert.exporter import HF_CONFIG
 from k3jax.convert.files import HFDirectory
 from k3jax.convert.hf_config import config_from_hf
 from k3jax.convert.names import IGNORED_PREFIXES, Entry, canonical, layer_places, place, tensor_map
@@ -181,7 +183,8 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 def import_hf(hf_dir: str | Path, out: str | Path, experiment=None, overrides=(),
               log=print) -> Path:
-    """Write ``out`` as a k3jax training workdir (``config.json`` + ``checkpoints/0``) holding the
+    """Write ``out`` as a k3jax training workdir (``config.json``, ``checkpoints/0`` and the source
+    ``hf_config.json``, whose token ids ``to-hf`` keeps) holding the
     weights of ``hf_dir``; ``train.py --config OUT/config.json --workdir OUT`` fine-tunes it and
     ``python -m k3jax.evaluate --workdir OUT`` evaluates it.
 
@@ -218,6 +221,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, experiment=None, overrides=()
     out.mkdir(parents=True, exist_ok=True)
     config = exp.to_dict()
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.copy(Path(hf_dir) / "config.json", out / HF_CONFIG)
     ckpt = Checkpointer(out / "checkpoints", exp.checkpoint.keep, async_save=False, log=log)
     ckpt.save(0, state, {"config": config, "step": 0,
                          "data_position": {"batches_consumed": 0, "sequences_consumed": 0,
