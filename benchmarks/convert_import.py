@@ -55,13 +55,22 @@ def build(args, directory: Path) -> dict:
             "shards": len(files.shards()), "largest_tensor_bytes": max(sizes.values())}
 
 
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process (Linux). Unlike ``ru_maxrss``, the high-water mark
+    starts afresh at ``exec``, so the parent's memory does not leak into the measurement."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def measure(directory: Path) -> dict:
     import jax
 
     from k3jax.convert import load_variables, read_config
 
     cfg, layout = read_config(directory)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_before = _status_bytes("VmRSS")
     tracemalloc.start()
     t0 = time.perf_counter()
     variables = jax.block_until_ready(load_variables(directory, cfg, layout))
@@ -69,7 +78,7 @@ def measure(directory: Path) -> dict:
     _, host_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return {"import_s": seconds, "rss_before_bytes": rss_before,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _status_bytes("VmHWM"),
             "host_numpy_peak_bytes": host_peak,
             "variables_bytes": sum(x.nbytes for x in jax.tree.leaves(variables)),
             "backend": jax.default_backend()}
