@@ -5,13 +5,16 @@ Builds a random model of the released Kimi Linear recipe at a smaller width (``-
 ``--shard-mb``), then imports it in a fresh process and prints one JSON line::
 
     {"params": N, "file_bytes": ..., "shards": ..., "largest_tensor_bytes": ...,
-     "variables_bytes": ..., "import_s": ..., "rss_before_bytes": ..., "peak_rss_bytes": ...,
+     "variables_bytes": ..., "import_s": ..., "import_cpu_s": ..., "rss_before_bytes": ...,
+     "peak_rss_bytes": ...,
      "host_numpy_peak_bytes": ..., "backend": ...}
 
 ``variables_bytes`` is what the imported variables occupy on the devices (on a CPU backend the
 devices are host memory, so they are part of the RSS); ``host_numpy_peak_bytes`` is the peak of the
 host buffers the import itself allocates (tracemalloc: numpy reports its buffers there, XLA's
-device buffers are not counted), i.e. what streaming keeps beyond the target arrays.
+device buffers are not counted), i.e. what streaming keeps beyond the target arrays;
+``import_cpu_s`` is the CPU time of the importing process (all threads), a better guide than the
+wall clock on a shared machine.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/convert_import.py
     PYTHONPATH=. python benchmarks/convert_import.py --d-model 2304 --layers 8 --experts 256
@@ -72,12 +75,12 @@ def measure(directory: Path) -> dict:
     cfg, layout = read_config(directory)
     rss_before = _status_bytes("VmRSS")
     tracemalloc.start()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     variables = jax.block_until_ready(load_variables(directory, cfg, layout))
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     _, host_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return {"import_s": seconds, "rss_before_bytes": rss_before,
+    return {"import_s": seconds, "import_cpu_s": cpu_seconds, "rss_before_bytes": rss_before,
             "peak_rss_bytes": _status_bytes("VmHWM"),
             "host_numpy_peak_bytes": host_peak,
             "variables_bytes": sum(x.nbytes for x in jax.tree.leaves(variables)),
