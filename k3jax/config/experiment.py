@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -186,10 +187,13 @@ class ExperimentConfig:
 # -- loading ------------------------------------------------------------------------------------
 
 def load_config(path: str | Path) -> ExperimentConfig:
-    """Import a preset file and call its ``get_config()``."""
+    """Import a preset file and call its ``get_config()``; a ``.json`` file is a resolved config
+    (a workdir's ``config.json``, e.g. one written by ``python -m k3jax.convert from-hf``)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file")
+    if path.suffix == ".json":
+        return from_dict(ExperimentConfig, json.loads(path.read_text()))
     spec = importlib.util.spec_from_file_location(f"_k3jax_preset_{path.stem}", path)
     if path.suffix != ".py" or spec is None or spec.loader is None:
         raise ConfigError(f"--config {str(path)!r}: not a Python preset file (expected a .py "

@@ -55,7 +55,11 @@ class KDAConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (SPEC 4). NoPE by default; ``rope=True`` rotates the 64 dims."""
+    """Multi-head latent attention (SPEC 4). NoPE by default; ``rope=True`` rotates the 64 dims.
+
+    ``latent_norm_eps`` is the epsilon of both latent RMSNorms (``q_a`` and ``kv_a``): the released
+    models build them with the RMSNorm default 1e-6, not the model's ``rms_eps``.
+    """
 
     num_heads: int = 4
     q_lora_rank: int | None = None
@@ -66,8 +70,10 @@ class MLAConfig:
     output_gate: bool = False
     rope: bool = False
     rope_theta: float = 10000.0
+    latent_norm_eps: float = 1e-6
 
     def __post_init__(self):
+        require(self.latent_norm_eps > 0, self, "latent_norm_eps", "expected > 0")
         positive(self, "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                  "v_head_dim")
         if self.q_lora_rank is not None:

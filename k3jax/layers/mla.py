@@ -50,12 +50,12 @@ class MLALayer(nn.Module):
         else:
             self.w_qa = self.param("w_qa", normal(std, ("embed", "q_lora")),
                                    (c.d_model, m.q_lora_rank), pdt)
-            self.q_norm = RMSNorm(c.rms_eps, c.dtype, c.param_dtype)
+            self.q_norm = RMSNorm(m.latent_norm_eps, c.dtype, c.param_dtype)
             self.w_qb = self.param("w_qb", normal(std, ("q_lora", "heads")),
                                    (m.q_lora_rank, h * m.qk_head_dim), pdt)
         self.w_kva = self.param("w_kva", normal(std, ("embed", "kv_lora")),
                                 (c.d_model, m.kv_lora_rank + m.qk_rope_head_dim), pdt)
-        self.kv_norm = RMSNorm(c.rms_eps, c.dtype, c.param_dtype)
+        self.kv_norm = RMSNorm(m.latent_norm_eps, c.dtype, c.param_dtype)
         # Stored per head as [k_nope | v] so the key and value parts split cleanly for absorption.
         self.w_kvb = self.param("w_kvb", normal(std, ("kv_lora", "heads", "kv")),
                                 (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim), pdt)
