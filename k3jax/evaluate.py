@@ -17,15 +17,15 @@ from k3jax.config.base import ConfigError
 from k3jax.config.experiment import ExperimentConfig, from_dict
 
 
-def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
+def load_run(workdir: str | Path, log=print) -> tuple[ExperimentConfig, dict, dict]:
+    """The run's config and its newest restorable checkpoint ``(cfg, state, meta)``, every array
+    on one device; a clear FileNotFoundError without a config or a checkpoint."""
     import jax
 
-    from k3jax.data import make_data
-    from k3jax.model import K3Model, init_variables
+    from k3jax.model import init_variables
     from k3jax.train.checkpoint import Checkpointer
-    from k3jax.train.evaluation import evaluate_batches, task_batches
     from k3jax.train.optim import build_optimizer
-    from k3jax.train.step import init_state, make_eval_step
+    from k3jax.train.step import init_state
 
     workdir = Path(workdir)
     cfg_file = workdir / "config.json"
@@ -34,17 +34,31 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     config = json.loads(cfg_file.read_text())
     cfg: ExperimentConfig = from_dict(ExperimentConfig, config)
     micro = cfg.data.batch_size // cfg.train.micro_batches
-    # Evaluation runs on one device: restore every array there (no topology guess from the files).
+    # One device: restore every array there (no topology guess from the files).
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
         jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer, init_state)))
+    if not (workdir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
     restored = ckpt.restore_latest(abstract, config, move_aside=False)
     ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint to evaluate")
-    state, meta = restored
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
+    return cfg, *restored
+
+
+def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
+    import jax
+
+    from k3jax.data import make_data
+    from k3jax.model import K3Model
+    from k3jax.train.evaluation import evaluate_batches, task_batches
+    from k3jax.train.step import make_eval_step
+
+    workdir = Path(workdir)
+    cfg, state, meta = load_run(workdir, log)
     eval_step = jax.jit(make_eval_step(K3Model(cfg.model)))
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
     results = {"heldout": evaluate_batches(eval_step, state["params"], state["balance"],

@@ -12,17 +12,13 @@ step) and checked on ragged, left-padded prompts: every property appears in at l
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import GENERATION_CASES, generation_case
 
-from k3jax.config import MLAConfig, MoEConfig, ResidualConfig
 from k3jax.generate import decode, forward_logits, init_cache, left_pad, prefill
-from k3jax.model import init_variables
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms
 
 # Same math, same dtype, another order of summation: far tighter than SPEC 10's FP32_TOL.
@@ -31,25 +27,6 @@ PROMPT_LENS = (32, 19, 2)  # 2 < the conv width - 1: the decode conv state strad
 NEW_TOKENS = 4
 CHUNK = 16
 
-_MOE = MoEConfig(num_experts=4, top_k=2, expert_intermediate=16, latent_dim=16,
-                 shared_intermediate=16, balancing="quantile_hist")
-CASES = {
-    "hybrid": dict(num_layers=4, mla_every=2, moe=_MOE, first_k_dense=0,
-                   residual=ResidualConfig(kind="attnres", block_size_layers=4)),
-    "kda": dict(num_layers=3, mla_layers=(), first_k_dense=3, dtype="bfloat16"),
-    "mla": dict(num_layers=2, mla_every=1, moe=_MOE, first_k_dense=1, scan_layers=False,
-                mla=MLAConfig(num_heads=2, q_lora_rank=None, kv_lora_rank=16,
-                              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                              rope=True)),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def case(name: str):
-    """``(cfg, variables)`` of a case, built once per test session."""
-    cfg = small_config(**CASES[name])
-    return cfg, jax.jit(lambda r: init_variables(cfg, r))(jax.random.key(1))
-
 
 def _prompts(vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -57,7 +34,7 @@ def _prompts(vocab: int, seed: int = 0):
 
 
 def cached_logits(cfg, variables, tokens, segments, n_prompt: int):
-    """Logits of every position: prefill of ``[:, :n_prompt]`` in CHUNK pieces, then decode steps."""
+    """Every position's logits: prefill of ``[:, :n_prompt]`` in CHUNK pieces, then decodes."""
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1] + 4)
     logits, cache = prefill(cfg, variables, tokens[:, :n_prompt], cache, segments[:, :n_prompt],
                             chunk=CHUNK, all_logits=True)
@@ -68,9 +45,9 @@ def cached_logits(cfg, variables, tokens, segments, n_prompt: int):
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(GENERATION_CASES))
 def test_prefill_then_decode_equals_one_forward(name):
-    cfg, variables = case(name)
+    cfg, variables = generation_case(name)
     tokens, segments = left_pad(_prompts(cfg.vocab_size))
     rng = np.random.default_rng(1)
     more = rng.integers(1, cfg.vocab_size, (tokens.shape[0], NEW_TOKENS)).astype(np.int32)
@@ -87,7 +64,7 @@ def test_prefill_then_decode_equals_one_forward(name):
 def test_router_bias_and_statistics_stay_untouched_in_inference():
     """The MoE path in inference: no mutable collection, so the bias cannot move and no balance
     statistics or losses come back; the variables passed in are left as they were."""
-    cfg, variables = case("hybrid")
+    cfg, variables = generation_case("hybrid")
     before = jax.tree.map(np.asarray, variables["balance"])
     tokens, segments = left_pad(_prompts(cfg.vocab_size)[:1])
     cache = init_cache(cfg, 1, tokens.shape[1] + 1)
@@ -98,7 +75,7 @@ def test_router_bias_and_statistics_stay_untouched_in_inference():
 
 
 def test_bad_requests_fail_clearly():
-    cfg, variables = case("kda")
+    cfg, variables = generation_case("kda")
     cache = init_cache(cfg, 2, 8)
     with pytest.raises(ValueError, match="exceed the cache's max_len=8"):
         prefill(cfg, variables, np.ones((2, 9), np.int32), cache)

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from k3jax.config.base import ConfigError
-from k3jax.generate.sampling import (SamplingConfig, repetition_penalty, sample, top_k_filter,
-                                     top_p_filter)
+from k3jax.generate.sampling import (
+    SamplingConfig,
+    repetition_penalty,
+    sample,
+    top_k_filter,
+    top_p_filter,
+)
 
 LOGITS = jnp.array([[2.0, -1.0, 0.5, 3.0, -2.0]])  # order by value: 3, 0, 2, 1, 4
 

@@ -30,8 +30,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import MLALayer
-from k3jax.ops.kda_reference import segment_starts
 from k3jax.layers.rope import segment_positions
+from k3jax.ops.kda_reference import segment_starts
 from k3jax.stack import plan_segments
 
 PAD_SEGMENT = 0  # segment id of left padding; prompt tokens get 1 (see left_pad)
@@ -100,8 +100,8 @@ def cache_context(cfg: ModelConfig, cache: InferenceCache, segment_ids: jax.Arra
     # positions restart at each segment start; the first run continues the cached segment
     first_run = jnp.cumsum(segment_starts(segment_ids), axis=1) == 0
     continues = first_run & (segment_ids[:, :1] == prev_segment[:, None])
-    positions = segment_positions(segment_ids, b, t) + jnp.where(continues, cache.positions[:, None],
-                                                                 0)
+    offset = jnp.where(continues, cache.positions[:, None], 0)
+    positions = segment_positions(segment_ids, b, t) + offset
     segments = jax.lax.dynamic_update_slice_in_dim(cache.segments, segment_ids.astype(jnp.int32),
                                                    at, 1)
     s = cache.max_len

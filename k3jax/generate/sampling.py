@@ -18,7 +18,7 @@ from k3jax.config.base import fail
 @dataclass(frozen=True)
 class SamplingConfig:
     """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` keep every token;
-    ``repetition_penalty=1`` changes nothing; generation of a row stops at any of ``stop_tokens``."""
+    ``repetition_penalty=1`` changes nothing; a row stops generating at any of ``stop_tokens``."""
 
     temperature: float = 1.0
     top_k: int = 0
