@@ -61,19 +61,6 @@ def test_prefill_then_decode_equals_one_forward(name):
         assert rel_rms(want[row, real], got[row, real]) <= tol, (name, row)
 
 
-def test_router_bias_and_statistics_stay_untouched_in_inference():
-    """The MoE path in inference: no mutable collection, so the bias cannot move and no balance
-    statistics or losses come back; the variables passed in are left as they were."""
-    cfg, variables = generation_case("hybrid")
-    before = jax.tree.map(np.asarray, variables["balance"])
-    tokens, segments = left_pad(_prompts(cfg.vocab_size)[:1])
-    cache = init_cache(cfg, 1, tokens.shape[1] + 1)
-    _, cache = prefill(cfg, variables, tokens, cache, segments, chunk=CHUNK)
-    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray,
-                                                                      variables["balance"]))
-    assert set(variables) == {"params", "balance"}
-
-
 def test_bad_requests_fail_clearly():
     cfg, variables = generation_case("kda")
     cache = init_cache(cfg, 2, 8)

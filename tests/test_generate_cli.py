@@ -26,9 +26,12 @@ def workdir(tmp_path_factory):
     from k3jax.train.step import init_state
 
     root = tmp_path_factory.mktemp("gen_cli")
-    text = root / "text.txt"
-    text.write_text("def f(x):\n    return x + 1\n" * 50)
-    build_corpus([str(text)], root / "corpus", tokenizer="byte", log=lambda m: None)
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    build_corpus([str(docs)], root / "corpus", tokenizer="byte", heldout_fraction=0.34,
+                 log=lambda m: None)
     base = get_config()
     cfg = dataclasses.replace(
         base, model=small_config(vocab_size=256, num_layers=2, mla_every=2, scan_layers=False),

@@ -37,9 +37,10 @@ def _is_layer_cache(x) -> bool:
 
 
 def _span(layer, lo: int, hi: int):
-    """A layer cache's part kept by a snapshot: KDA whole, MLA the latents of ``[lo, hi)``."""
+    """A layer cache's part kept by a snapshot: KDA whole, MLA the latents of ``[lo, hi)``.
+    Always fresh arrays: the steps donate the cache's buffers."""
     if isinstance(layer, KDACache):
-        return layer
+        return jax.tree.map(jnp.copy, layer)
     seq = layer.c.ndim - 2  # 1, or 2 for a scanned group's stacked caches
     return MLACache(jax.lax.slice_in_dim(layer.c, lo, hi, axis=seq),
                     jax.lax.slice_in_dim(layer.k_rope, lo, hi, axis=seq), layer.length)
@@ -108,7 +109,7 @@ class PrefixCache:
 
         def rebuild(layer, *spans):
             if isinstance(layer, KDACache):
-                return spans[-1]
+                return jax.tree.map(jnp.copy, spans[-1])  # the cache handed out gets donated
             seq = layer.c.ndim - 2
             c = jnp.concatenate([s.c for s in spans], axis=seq)
             kr = jnp.concatenate([s.k_rope for s in spans], axis=seq)
