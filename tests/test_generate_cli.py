@@ -34,7 +34,8 @@ def workdir(tmp_path_factory):
                  log=lambda m: None)
     base = get_config()
     cfg = dataclasses.replace(
-        base, model=small_config(vocab_size=256, num_layers=2, mla_every=2, scan_layers=False),
+        base, model=small_config(vocab_size=256, num_layers=2, mla_every=2, first_k_dense=2,
+                                 scan_layers=False),
         data=dataclasses.replace(base.data, data_dir=str(root / "corpus"), seq_len=16,
                                  batch_size=2))
     run = root / "run"

@@ -11,7 +11,7 @@ import numpy as np
 from helpers import generation_case
 
 from k3jax.generate import decode, init_cache, prefill
-from k3jax.generate.prefix_cache import PrefixCache
+from k3jax.generate.prefix_cache import PrefixCache, store_bytes_per_token
 from k3jax.ops.tolerance import rel_rms
 
 CACHED_FP32_TOL = 1e-5  # as in test_generate: same math in another order, fp32
@@ -43,6 +43,8 @@ def test_resumed_prefill_equals_fresh_prefill_and_greedy_tokens_agree():
     expect_resume = {"A": 0, "B": 16, "C": 16, "D": 24}  # D: C's prompt-end snapshot
     for name, tokens in (("A", A), ("B", B), ("C", C), ("D", D)):
         logits, cache, resumed = store.prefill(variables, tokens, chunk=CHUNK)
+        if name == "A":  # the byte count the serving docs report, on a real store
+            assert store.nbytes == store_bytes_per_token(cfg, len(A), GRID) * len(A)
         assert resumed == expect_resume[name], name
         ref_logits, ref_cache = _fresh(cfg, variables, tokens)
         assert rel_rms(np.asarray(ref_logits), np.asarray(logits)) <= CACHED_FP32_TOL, name

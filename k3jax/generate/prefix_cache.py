@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.accounting import kda_state_bytes, kv_cache_bytes_per_token
 from k3jax.config import ModelConfig
 from k3jax.generate.cache import InferenceCache, init_cache
 from k3jax.generate.steps import DEFAULT_CHUNK, prefill
@@ -43,7 +44,7 @@ def _span(layer, lo: int, hi: int):
         return jax.tree.map(jnp.copy, layer)
     seq = layer.c.ndim - 2  # 1, or 2 for a scanned group's stacked caches
     return MLACache(jax.lax.slice_in_dim(layer.c, lo, hi, axis=seq),
-                    jax.lax.slice_in_dim(layer.k_rope, lo, hi, axis=seq), layer.length)
+                    jax.lax.slice_in_dim(layer.k_rope, lo, hi, axis=seq), None)
 
 
 def _nbytes(tree) -> int:
@@ -67,6 +68,27 @@ class Snapshot:
     @property
     def start(self) -> int:
         return 0 if self.parent is None else self.parent.length
+
+
+def snapshot_fixed_bytes(cfg: ModelConfig) -> int:
+    """What every snapshot holds whatever its span: the KDA states (fp32), the conv states (the
+    compute dtype) and the last token's logits (fp32)."""
+    k = cfg.kda
+    conv = 3 * (k.conv_size - 1) * k.num_heads * k.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return kda_state_bytes(cfg) + cfg.layer_types.count("kda") * conv + cfg.vocab_size * 4
+
+
+def store_bytes_per_token(cfg: ModelConfig, prompt_len: int, grid: int) -> float:
+    """Bytes per cached token of one prompt's snapshots: one per grid point before its end and one
+    at its end, plus its MLA latents once."""
+    snapshots = (prompt_len - 1) // grid + 1
+    latents = kv_cache_bytes_per_token(cfg, jnp.dtype(cfg.dtype).itemsize)
+    return (snapshots * snapshot_fixed_bytes(cfg) + prompt_len * latents) / prompt_len
+
+
+def naive_bytes_per_token(cfg: ModelConfig) -> int:
+    """A state snapshot at every token (resumable anywhere) plus the token's latents."""
+    return snapshot_fixed_bytes(cfg) + kv_cache_bytes_per_token(cfg, jnp.dtype(cfg.dtype).itemsize)
 
 
 class PrefixCache:
@@ -172,4 +194,5 @@ class PrefixCache:
                 victim.parent.children -= 1
 
 
-__all__ = ["PrefixCache", "Snapshot"]
+__all__ = ["PrefixCache", "Snapshot", "naive_bytes_per_token", "snapshot_fixed_bytes",
+           "store_bytes_per_token"]
