@@ -29,12 +29,11 @@ def run_tokenizer(cfg, workdir: Path, override: str | None):
         tok = load_tokenizer(corpus.corpus_path)
     else:
         tok = load_tokenizer(Path(override))
-    kind = "byte" if type(tok).__name__ == "ByteTokenizer" else "bpe"
-    if cfg.data.task == "corpus" and kind != cfg.data.tokenizer:
+    if cfg.data.task == "corpus" and tok.kind != cfg.data.tokenizer:
         raise ConfigError(f"tokenizer mismatch: the run trained with data.tokenizer="
-                          f"{cfg.data.tokenizer!r}, the tokenizer found is {kind!r}")
-    if len(tok.token_bytes()) > cfg.model.vocab_size:
-        raise ConfigError(f"tokenizer mismatch: {len(tok.token_bytes())} token ids, the model has "
+                          f"{cfg.data.tokenizer!r}, the tokenizer found is {tok.kind!r}")
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer mismatch: {tok.vocab_size} token ids, the model has "
                           f"vocab_size={cfg.model.vocab_size}")
     return tok
 

@@ -107,11 +107,18 @@ def decode(cfg: ModelConfig, variables: dict, token, cache: InferenceCache):
     return _compiled_decode(cfg)(variables, token, cache)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_forward(cfg: ModelConfig):
+    return jax.jit(lambda variables, tokens, segment_ids: K3Model(cfg).apply(
+        variables, tokens, segment_ids))
+
+
 def forward_logits(cfg: ModelConfig, variables: dict, tokens, segment_ids=None) -> np.ndarray:
     """One ordinary forward (no cache): the reference the cached steps must reproduce."""
-    return np.asarray(K3Model(cfg).apply(
-        {k: variables[k] for k in ("params", "balance") if k in variables},
-        jnp.asarray(tokens), None if segment_ids is None else jnp.asarray(segment_ids)))
+    inference_vars = {k: variables[k] for k in ("params", "balance") if k in variables}
+    return np.asarray(_compiled_forward(cfg)(
+        inference_vars, jnp.asarray(tokens), None if segment_ids is None else jnp.asarray(
+            segment_ids)))
 
 
 __all__ = ["DEFAULT_CHUNK", "decode", "forward_logits", "prefill"]
