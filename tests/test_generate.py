@@ -12,7 +12,6 @@ step) and checked on ragged, left-padded prompts: every property appears in at l
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
