@@ -28,7 +28,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
-from k3jax.layers.kda import KDALayer
+from k3jax.layers.kda import KDACache, KDALayer
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.rope import segment_positions
 from k3jax.ops.kda_reference import segment_starts
@@ -49,8 +49,8 @@ class InferenceCache(NamedTuple):
 
 
 def _layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int):
-    if mixer == "kda":
-        return KDALayer.empty_cache(cfg, batch)
+    if mixer == "kda":  # one zeros array serves its three conv states: separate them, the steps
+        return KDACache(*(jnp.copy(a) for a in KDALayer.empty_cache(cfg, batch)))  # donate them
     return MLALayer.empty_cache(cfg, batch, max_len)
 
 
