@@ -49,8 +49,9 @@ class InferenceCache(NamedTuple):
 
 
 def _layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int):
-    if mixer == "kda":  # one zeros array serves its three conv states: separate them, the steps
-        return KDACache(*(jnp.copy(a) for a in KDALayer.empty_cache(cfg, batch)))  # donate them
+    if mixer == "kda":
+        # empty_cache shares one zeros array between the conv states; the steps donate the cache
+        return KDACache(*(jnp.copy(a) for a in KDALayer.empty_cache(cfg, batch)))
     return MLALayer.empty_cache(cfg, batch, max_len)
 
 
