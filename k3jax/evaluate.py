@@ -38,6 +38,8 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
         jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer, init_state)))
+    if not (workdir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
     restored = ckpt.restore_latest(abstract, config, move_aside=False)
     ckpt.close()

@@ -52,14 +52,22 @@ class LayerGroup(nn.Module):
     group: tuple[tuple[str, str], ...]
 
     @nn.compact
-    def __call__(self, carry, first_layer, invariant, segment_ids, deterministic: bool):
+    def __call__(self, carry, first_layer, invariant, segment_ids, deterministic: bool,
+                 caches=None, context=None):
+        """``caches`` (inference): this repeat's ``{layer_k: cache}``, returned updated."""
         layer_cls = _remat(DecoderLayer, self.cfg.remat, static_index=False)
+        new_caches = None if caches is None else {}
         for offset, (mixer, ffn) in enumerate(self.group):
             state = join_state(self.cfg, carry, invariant)
-            state = layer_cls(self.cfg, mixer, ffn, name=f"layer_{offset}")(
-                state, first_layer + offset, segment_ids, deterministic)
+            layer = layer_cls(self.cfg, mixer, ffn, name=f"layer_{offset}")
+            if caches is None:
+                state = layer(state, first_layer + offset, segment_ids, deterministic)
+            else:
+                name = f"layer_{offset}"
+                state, new_caches[name] = layer(state, first_layer + offset, segment_ids,
+                                                deterministic, caches[name], context)
             carry, _ = split_state(self.cfg, state)
-        return carry, None
+        return carry, new_caches
 
 
 class K3Model(nn.Module):
@@ -69,7 +77,10 @@ class K3Model(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 deterministic: bool = True) -> jax.Array:
+                 deterministic: bool = True, caches: dict | None = None, context=None):
+        """With ``caches`` (inference, see ``k3jax.generate``): the per-layer mixer caches, keyed
+        like the parameters (``layer_i``; a scanned group's ``{layer_k: stacked}``), and their
+        :class:`~k3jax.layers.cache_context.CacheContext`; returns ``(logits, new caches)``."""
         cfg = self.cfg
         cdt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         _check_tokens(tokens, segment_ids, cfg.vocab_size)
@@ -78,8 +89,10 @@ class K3Model(nn.Module):
         x = constrain(jnp.take(table, tokens, axis=0).astype(cdt), ACTIVATION_AXES)
         state = initial_state(cfg, x)
 
+        new_caches = None if caches is None else {}
         for plan in plan_segments(cfg):  # the whole stack, or one AttnRes block after another
-            state = self._segment(plan, state, segment_ids, deterministic)
+            state = self._segment(plan, state, segment_ids, deterministic, caches, new_caches,
+                                  context)
 
         h = make_final_read(cfg)(state)
         h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
@@ -88,33 +101,46 @@ class K3Model(nn.Module):
                           (cfg.d_model, cfg.vocab_size), pdt)
         logits = jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
                             preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return logits if caches is None else (logits, new_caches)
 
-    def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool):
-        """Layers ``[plan.start, plan.stop)``: unrolled prefix, scanned groups, unrolled suffix."""
+    def _segment(self, plan: StackPlan, state, segment_ids, deterministic: bool, caches=None,
+                 new_caches=None, context=None):
+        """Layers ``[plan.start, plan.stop)``: unrolled prefix, scanned groups, unrolled suffix.
+        With ``caches``, each layer's updated cache is stored into ``new_caches`` under its name."""
         cfg = self.cfg
         layer_cls = _remat(DecoderLayer, cfg.remat, static_index=True)
+
+        def unrolled(i, state):
+            layer = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")
+            if caches is None:
+                return layer(state, i, segment_ids, deterministic)
+            state, new_caches[f"layer_{i}"] = layer(state, i, segment_ids, deterministic,
+                                                    caches[f"layer_{i}"], context)
+            return state
+
         for i in plan.prefix:
-            state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
-                state, i, segment_ids, deterministic)
+            state = unrolled(i, state)
         if plan.repeats:
             scanned = nn.scan(
                 LayerGroup,
                 variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                 length=plan.repeats,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             starts = plan.scan_start + len(plan.group) * jnp.arange(plan.repeats)
             carry, invariant = split_state(cfg, state)
-            carry, _ = scanned(cfg, plan.group, name=plan.name)(
-                carry, starts, invariant, segment_ids, deterministic)
+            group_caches = None if caches is None else caches[plan.name]
+            carry, group_caches = scanned(cfg, plan.group, name=plan.name)(
+                carry, starts, invariant, segment_ids, deterministic, group_caches, context)
+            if caches is not None:
+                new_caches[plan.name] = group_caches
             # a traced layer index could not commit a block the scan completed: do it now
             state = settle(cfg, join_state(cfg, carry, invariant), 2 * plan.scan_stop)
         for i in plan.suffix:
-            state = layer_cls(cfg, *plan.specs[i], name=f"layer_{i}")(
-                state, i, segment_ids, deterministic)
+            state = unrolled(i, state)
         return state
 
 

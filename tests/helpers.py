@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, ResidualConfig
+from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
 
 
 def small_config(**changes) -> ModelConfig:
@@ -19,6 +20,31 @@ def small_config(**changes) -> ModelConfig:
         dtype="float32",
     )
     return dataclasses.replace(base, **changes)
+
+
+# Tiny models for the inference tests (k3jax.generate), one per covered combination.
+_MOE = MoEConfig(num_experts=4, top_k=2, expert_intermediate=16, latent_dim=16,
+                 shared_intermediate=16, balancing="quantile_hist")
+GENERATION_CASES = {
+    "hybrid": dict(num_layers=4, mla_every=2, moe=_MOE, first_k_dense=0,
+                   residual=ResidualConfig(kind="attnres", block_size_layers=4)),
+    "kda": dict(num_layers=3, mla_layers=(), first_k_dense=3, dtype="bfloat16"),
+    "mla": dict(num_layers=2, mla_every=1, moe=_MOE, first_k_dense=1, scan_layers=False,
+                mla=MLAConfig(num_heads=2, q_lora_rank=None, kv_lora_rank=16,
+                              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                              rope=True)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def generation_case(name: str):
+    """``(cfg, variables)`` of a case, built once per test session."""
+    import jax
+
+    from k3jax.model import init_variables
+
+    cfg = small_config(**GENERATION_CASES[name])
+    return cfg, jax.jit(lambda r: init_variables(cfg, r))(jax.random.key(1))
 
 
 def free_port() -> int:

@@ -30,14 +30,20 @@ FFNS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": dense_ffn, "moe"
 
 
 class DecoderLayer(nn.Module):
-    """``state -> state`` for decoder layer ``layer_index`` (two sub-layers: mixer, FFN)."""
+    """``state -> state`` for decoder layer ``layer_index`` (two sub-layers: mixer, FFN).
+
+    With a ``cache`` (this layer's mixer cache) and its ``context``
+    (:class:`~k3jax.layers.cache_context.CacheContext`), the mixer continues the cached tokens and
+    the layer returns ``(state, new cache)``; ``segment_ids`` is then ``context.segment_ids``.
+    """
 
     cfg: ModelConfig
     mixer: str
     ffn: str
 
     @nn.compact
-    def __call__(self, state, layer_index, segment_ids, deterministic: bool):
+    def __call__(self, state, layer_index, segment_ids, deterministic: bool, cache=None,
+                 context=None):
         cfg = self.cfg
         j = 2 * layer_index
         res_mixer = make_residual(cfg, "residual_mixer")
@@ -46,9 +52,14 @@ class DecoderLayer(nn.Module):
         norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
 
         h = res_mixer.read(state, j)
-        out = MIXERS[self.mixer](cfg)(norm_mixer(h), segment_ids)
+        mixer = MIXERS[self.mixer](cfg)
+        if cache is None:
+            out = mixer(norm_mixer(h), segment_ids)
+        else:
+            out, cache = mixer.cached(norm_mixer(h), cache, context)
         state = res_mixer.write(state, out, j)
 
         h = res_ffn.read(state, j + 1)
         out = FFNS[self.ffn](cfg)(norm_ffn(h), deterministic=deterministic)
-        return res_ffn.write(state, out, j + 1)
+        state = res_ffn.write(state, out, j + 1)
+        return state if cache is None else (state, cache)

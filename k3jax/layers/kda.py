@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.conv import causal_conv, causal_conv_step
 from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
@@ -147,6 +148,21 @@ class KDALayer(nn.Module):
                               l2_normalize(self._heads(jax.nn.silu(kk))),
                               self._heads(jax.nn.silu(v)), g, beta, cache.state)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)
+
+    # -- extending a cache (prefill chunks, decode steps) --------------------------------------
+    def cached(self, x: jax.Array, cache: KDACache, context: CacheContext):
+        """``x [B, T, d]`` after the tokens ``cache`` has seen -> ``(y [B, T, d], new cache)``.
+
+        Several tokens go through the chunked op with the cache as initial state; one token is a
+        decode step (the recurrence step, SPEC 3.4). State of another segment is dropped first.
+        """
+        keep = context.conv_keep[..., None]
+        cache = KDACache(*(jnp.where(keep, s, 0).astype(s.dtype) for s in cache[:3]),
+                         jnp.where(context.state_keep[:, None, None, None], cache.state, 0.0))
+        if x.shape[1] == 1:
+            y, cache = self.decode_step(x[:, 0], cache)
+            return y[:, None], cache
+        return self(x, context.segment_ids, cache, return_cache=True)
 
     @staticmethod
     def empty_cache(cfg: ModelConfig, batch: int) -> KDACache:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
 from k3jax.layers.rope import apply_rope, segment_positions
@@ -34,6 +35,11 @@ def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> ja
         return jnp.broadcast_to(causal, (batch, 1, length, length))
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return causal & same
+
+
+def _write(buffer: jax.Array, new: jax.Array, at) -> jax.Array:
+    """``new [B, T, .]`` written into ``buffer [B, S, .]`` at positions ``[at, at + T)``."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), at, 1)
 
 
 class MLALayer(nn.Module):
@@ -106,24 +112,33 @@ class MLALayer(nn.Module):
 
     # -- expanded training path -------------------------------------------------------------------
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        m = self.cfg.mla
         x = x.astype(jnp.dtype(self.cfg.dtype))
         b, t, _ = x.shape
         pos = segment_positions(segment_ids, b, t)
         q_nope, q_rope = self._query(x, pos)
         c, k_rope = self._latent(x, pos)
+        o = self._expanded_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t))
+        return self._output(x, o)
+
+    def _expanded_attend(self, q_nope, q_rope, c, k_rope, mask):
+        """Keys and values expanded from the latent through ``W_kvb``, then attention.
+
+        ``q_* [B, Tq, H, .]``, ``c [B, S, L]``, ``k_rope [B, S, R]``, ``mask [B, 1, Tq, S]``.
+        Returns ``o [B, Tq, H, v]`` in the compute dtype.
+        """
+        m = self.cfg.mla
         kv = jnp.einsum("btl,lhe->bthe", c, self._cast(self.w_kvb))
         k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
         q = jnp.concatenate([q_nope, q_rope], -1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], q_rope.shape)], -1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3]
+                                                      + k_rope.shape[-1:])], -1)
         # dot_product_attention needs equal q/k/v head dims: pad v with zeros, slice after.
         pad = m.qk_head_dim - m.v_head_dim
         v_in = jnp.pad(v, ((0, 0),) * 3 + ((0, max(pad, 0)),)) if pad > 0 else v
         if pad < 0:
             raise ValueError("MLAConfig.v_head_dim larger than qk head dim is not supported")
-        o = jax.nn.dot_product_attention(q, k, v_in, mask=attention_mask(segment_ids, b, t),
-                                         scale=self.scale)[..., :m.v_head_dim]
-        return self._output(x, o)
+        return jax.nn.dot_product_attention(q, k, v_in, mask=mask,
+                                            scale=self.scale)[..., :m.v_head_dim]
 
     # -- absorbed path over the latent cache ------------------------------------------------------
     def _absorbed_attend(self, q_nope, q_rope, c, k_rope, mask):
@@ -160,13 +175,23 @@ class MLALayer(nn.Module):
         pos = jnp.broadcast_to(cache.length, (b, 1))
         q_nope, q_rope = self._query(x, pos)
         c_new, kr_new = self._latent(x, pos)
-        c = jax.lax.dynamic_update_slice_in_dim(cache.c, c_new.astype(cache.c.dtype), cache.length, 1)
-        kr = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, kr_new.astype(cache.k_rope.dtype),
-                                                 cache.length, 1)
+        c, kr = _write(cache.c, c_new, cache.length), _write(cache.k_rope, kr_new, cache.length)
         mask = (jnp.arange(s) <= cache.length)[None, None, None, :]
         o = self._absorbed_attend(q_nope, q_rope, c, kr, mask)
         y = self._output(x, o.astype(x.dtype))[:, 0]
         return y, MLACache(c, kr, cache.length + 1)
+
+    def cached(self, x: jax.Array, cache: MLACache, context: CacheContext):
+        """``x [B, T, d]`` -> ``(y [B, T, d], cache)``: writes the new ``[c | k_rope]`` at
+        ``cache.length``, then attends over the cache under ``context.mask``: the expanded form
+        for several tokens (prefill), the absorbed form for one (decode)."""
+        x = x.astype(jnp.dtype(self.cfg.dtype))
+        q_nope, q_rope = self._query(x, context.positions)
+        c_new, kr_new = self._latent(x, context.positions)
+        c, kr = _write(cache.c, c_new, cache.length), _write(cache.k_rope, kr_new, cache.length)
+        attend = self._absorbed_attend if x.shape[1] == 1 else self._expanded_attend
+        o = attend(q_nope, q_rope, c, kr, context.mask)
+        return self._output(x, o.astype(x.dtype)), MLACache(c, kr, cache.length + x.shape[1])
 
     @staticmethod
     def empty_cache(cfg: ModelConfig, batch: int, max_len: int) -> MLACache:

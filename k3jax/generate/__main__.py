@@ -1,0 +1,127 @@
+"""Generate text from a training run's newest checkpoint.
+
+    python -m k3jax.generate --workdir runs/tiny --prompt "def main(" --max-new-tokens 64
+    python -m k3jax.generate --workdir runs/tiny --prompts-file prompts.txt --temperature 0
+
+The run's ``config.json`` gives the model and the data; the tokenizer is the one saved with the
+run's corpus (``--tokenizer DIR`` names another directory holding a ``tokenizer.json``). One prompt
+streams its text as it is generated; a file holds one prompt per line, generated as one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from k3jax.config.base import ConfigError
+
+
+def run_tokenizer(cfg, workdir: Path, override: str | None):
+    """The tokenizer the run trained with (or the one in ``override``), checked against it."""
+    from k3jax.data import load_tokenizer, make_data
+
+    if override is None:
+        if cfg.data.task != "corpus":
+            raise FileNotFoundError(f"{workdir}: the run trained on the synthetic task "
+                                    f"{cfg.data.task!r}, which has no tokenizer; pass --tokenizer")
+        corpus = make_data(cfg.data, cfg.model.vocab_size, workdir, 1, log=lambda m: None)
+        tok = load_tokenizer(corpus.corpus_path)
+    else:
+        tok = load_tokenizer(Path(override))
+    if cfg.data.task == "corpus" and tok.kind != cfg.data.tokenizer:
+        raise ConfigError(f"tokenizer mismatch: the run trained with data.tokenizer="
+                          f"{cfg.data.tokenizer!r}, the tokenizer found is {tok.kind!r}")
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer mismatch: {tok.vocab_size} token ids, the model has "
+                          f"vocab_size={cfg.model.vocab_size}")
+    return tok
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompts-file", help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="cache length in tokens (default: longest prompt + max-new-tokens)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop at this text (one token); repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="directory with a tokenizer.json")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _generate(args)
+    except (FileNotFoundError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    from k3jax.evaluate import restore_workdir
+    from k3jax.generate.loop import generate
+    from k3jax.generate.sampling import SamplingConfig
+
+    workdir = Path(args.workdir)
+    if args.prompts_file is not None:
+        prompts = [line for line in Path(args.prompts_file).read_text().splitlines() if line]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file}: no prompt in it")
+    else:
+        prompts = [args.prompt]
+    cfg, state, meta = restore_workdir(workdir, log=lambda m: print(m, file=sys.stderr))
+    tok = run_tokenizer(cfg, workdir, args.tokenizer)
+    stops = []
+    for text in args.stop:
+        ids = tok.encode(text.encode())
+        if len(ids) != 1:
+            raise ValueError(f"--stop {text!r}: encodes to {len(ids)} tokens; expected one")
+        stops.append(int(ids[0]))
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
+                              tuple(stops), args.seed)
+    encoded = [[int(t) for t in tok.encode(p.encode())] for p in prompts]
+    if any(not e for e in encoded):
+        raise ValueError("a prompt encodes to no token")
+    variables = {"params": state["params"], "balance": state["balance"]}
+    print(f"[generate] checkpoint step {int(meta['step'])} of {workdir}", file=sys.stderr)
+    stream = _Stream(tok) if len(prompts) == 1 else None
+    if stream is not None:
+        print(prompts[0], end="", flush=True)
+    out = generate(cfg.model, variables, encoded, args.max_new_tokens, sampling,
+                   max_len=args.max_len, on_tokens=None if stream is None else stream)
+    if stream is None:
+        for prompt, new in zip(prompts, out):
+            print(prompt + tok.decode(new).decode("utf-8", errors="replace"))
+    else:
+        print(flush=True)
+    return 0
+
+
+class _Stream:
+    """Prints one row's text as tokens arrive (bytes held until they form whole characters)."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], 0
+
+    def __call__(self, tokens, active) -> None:
+        if not active[0]:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tok.decode(self.ids).decode("utf-8", errors="ignore")
+        print(text[self.shown:], end="", flush=True)
+        self.shown = len(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Generation for a batch of prompts: left-padded prefill, then sample-and-decode steps."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+from k3jax.generate.cache import init_cache, left_pad
+from k3jax.generate.sampling import SamplingConfig, sample
+from k3jax.generate.steps import DEFAULT_CHUNK, decode, prefill
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler(cfg: SamplingConfig):
+    return jax.jit(lambda logits, key, seen: sample(logits, key, cfg, seen))
+
+
+def _seen(prompts, vocab: int) -> jax.Array:
+    seen = np.zeros((len(prompts), vocab), bool)
+    for row, p in enumerate(prompts):
+        seen[row, np.asarray(p)] = True
+    return jnp.asarray(seen)
+
+
+def generate(cfg: ModelConfig, variables: dict, prompts: list[list[int]], max_new_tokens: int,
+             sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None,
+             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+             chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
+    """Up to ``max_new_tokens`` new tokens per prompt (a row ends after emitting a stop token).
+
+    ``max_len`` sizes the cache (default: longest prompt + ``max_new_tokens``). ``on_tokens(tokens
+    [B], active [B])`` is called after every step with the new tokens and which rows were still
+    generating them, so a caller can stream text. Returns each row's new tokens (stop token
+    included when one ended it).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+    tokens, segments = left_pad(prompts)
+    if int(tokens.max()) >= cfg.vocab_size or int(tokens.min()) < 0:
+        raise ValueError(f"generate: prompt token ids must lie in [0, vocab_size={cfg.vocab_size})")
+    need = tokens.shape[1] + max_new_tokens - 1  # the last sampled token is never fed back
+    max_len = need if max_len is None else max_len
+    if need > max_len:
+        raise ValueError(f"generate: a prompt of {tokens.shape[1]} tokens plus {max_new_tokens} "
+                         f"new ones needs a cache of {need} tokens; max_len={max_len}")
+    cache = init_cache(cfg, len(prompts), max_len)
+    logits, cache = prefill(cfg, variables, tokens, cache, segments, chunk=chunk)
+    draw, key = _sampler(sampling), jax.random.key(sampling.seed)
+    seen = _seen(prompts, cfg.vocab_size)
+    stops = np.asarray(sampling.stop_tokens, np.int64)
+    active = np.ones(len(prompts), bool)
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        new = draw(logits, sub, seen)
+        host = np.asarray(new)
+        for row in np.flatnonzero(active):
+            out[row].append(int(host[row]))
+        if on_tokens is not None:
+            on_tokens(host, active.copy())
+        active &= ~np.isin(host, stops)
+        if not active.any() or step == max_new_tokens - 1:
+            break
+        seen = seen.at[jnp.arange(len(prompts)), new].set(True)
+        logits, cache = decode(cfg, variables, new, cache)
+    return out
+
+
+__all__ = ["generate"]

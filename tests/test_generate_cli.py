@@ -1,0 +1,104 @@
+"""``python -m k3jax.generate``: newest checkpoint + the run's tokenizer; clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from helpers import small_config
+
+from k3jax.generate import forward_logits
+
+PROMPT = "def f(x):"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A run directory as training leaves it: config.json, a byte corpus and one checkpoint."""
+    from configs.k3_tiny import get_config
+    from k3jax.data import build_corpus
+    from k3jax.evaluate import _state
+    from k3jax.model import init_variables
+    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.optim import build_optimizer
+    from k3jax.train.step import init_state
+
+    root = tmp_path_factory.mktemp("gen_cli")
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    build_corpus([str(docs)], root / "corpus", tokenizer="byte", heldout_fraction=0.34,
+                 log=lambda m: None)
+    base = get_config()
+    cfg = dataclasses.replace(
+        base, model=small_config(vocab_size=256, num_layers=2, mla_every=2, first_k_dense=2,
+                                 scan_layers=False),
+        data=dataclasses.replace(base.data, data_dir=str(root / "corpus"), seq_len=16,
+                                 batch_size=2))
+    run = root / "run"
+    run.mkdir()
+    config = cfg.to_dict()
+    (run / "config.json").write_text(json.dumps(config, indent=1))
+    state = _state(cfg, 2, init_variables, build_optimizer, init_state)
+    ckpt = Checkpointer(run / "checkpoints", 1, async_save=False, log=lambda m: None)
+    ckpt.save(3, state, {"config": config, "step": 3})
+    ckpt.close()
+    return run, cfg, {"params": state["params"], "balance": state["balance"]}
+
+
+def _main(capsys, *argv):
+    from k3jax.generate.__main__ import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_greedy_text_streams_and_is_the_forward_arg_max(workdir, capsys):
+    from k3jax.generate.loop import generate
+    from k3jax.generate.sampling import SamplingConfig
+
+    run, cfg, variables = workdir
+    rc, out, err = _main(capsys, "--workdir", str(run), "--prompt", PROMPT,
+                         "--max-new-tokens", "5", "--temperature", "0")
+    assert rc == 0, err
+    assert "checkpoint step 3" in err
+    prompt = list(PROMPT.encode())  # the byte tokenizer: one token per byte
+    new = generate(cfg.model, variables, [prompt], 5, SamplingConfig(temperature=0.0))[0]
+    # an untrained model emits arbitrary bytes: the stream shows the valid UTF-8 among them
+    assert out == PROMPT + bytes(new).decode("utf-8", errors="ignore") + "\n"
+    logits = forward_logits(cfg.model, variables, np.asarray([prompt + new], np.int32))
+    n = len(prompt)
+    np.testing.assert_array_equal(np.argmax(logits[0, n - 1:-1], -1), new)  # teacher forcing
+    assert len(new) == 5
+
+
+def test_a_batch_of_prompts_from_a_file(workdir, capsys, tmp_path):
+    run, _, _ = workdir
+    (tmp_path / "p.txt").write_text("ab\nxyz1\n")
+    rc, out, err = _main(capsys, "--workdir", str(run), "--prompts-file", str(tmp_path / "p.txt"),
+                         "--max-new-tokens", "3", "--top-k", "5", "--seed", "1")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("ab") and any(line.startswith("xyz1") for line in lines)
+
+
+def test_clear_errors(workdir, capsys, tmp_path):
+    run, _, _ = workdir
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    rc, _, err = _main(capsys, "--workdir", str(empty), "--prompt", "a")
+    assert rc == 2 and "no checkpoint in this workdir" in err
+    rc, _, err = _main(capsys, "--workdir", str(run), "--prompt", "a" * 20, "--max-len", "8",
+                       "--max-new-tokens", "2")
+    assert rc == 2 and "needs a cache of 21 tokens; max_len=8" in err
+    from k3jax.data import BPETokenizer
+
+    BPETokenizer.train([b"hello world, hello there"] * 20, 260).save(tmp_path)
+    rc, _, err = _main(capsys, "--workdir", str(run), "--prompt", "a", "--tokenizer",
+                       str(tmp_path))
+    assert rc == 2 and "tokenizer mismatch" in err and "'bpe'" in err
