@@ -44,7 +44,7 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     restored = ckpt.restore_latest(abstract, config, move_aside=False)
     ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint to evaluate")
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     return cfg, *restored
 
 
