@@ -2,7 +2,7 @@
 
     plan SPEC [--dir DIR]             print the points (name, N, N_total, D, C, time); trains nothing
     run SPEC --dir DIR [--executor K] run every unfinished point (again: resumes)
-    report DIR [--compute C]          results table, fits, plots and a markdown summary in DIR/report
+    report DIR [--compute C] [--out O] results table, fits, plots and a markdown summary (DIR/report)
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="the compute C at which multipliers are stated (default: the plan's "
                           "reference_compute, else its largest budget)")
     rep.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples")
+    rep.add_argument("--out", help="where the report goes (default: DIR/report)")
     return parser
 
 
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from k3jax.sweep.report import write_report
 
-            print(write_report(args.dir, compute=args.compute, resamples=args.bootstrap))
+            print(write_report(args.dir, compute=args.compute, resamples=args.bootstrap,
+                               out=args.out))
             return 0
         from k3jax.sweep.plan import format_plan, plan_sweep
 

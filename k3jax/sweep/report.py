@@ -23,11 +23,11 @@ from k3jax.sweep.fits import (
     fit_isoflop,
     interval,
 )
-from k3jax.sweep.runner import FAILED_FILE, point_status, read_plan, run_dir
+from k3jax.sweep.runner import FAILED_FILE, TIMING_FILE, point_status, read_plan, run_dir
 
 COLUMNS = ("name", "variant", "seed", "size", "lr", "n", "n_total", "tokens", "compute", "budget",
-           "steps", "loss", "bpb", "tokens_per_s", "mfu", "wall_s", "compile_s", "status",
-           "error")
+           "steps", "loss", "bpb", "tokens_per_s", "mfu", "wall_s", "compile_s", "overhead",
+           "status", "error")
 
 
 def _median(records: list[dict], key: str) -> float | None:
@@ -49,10 +49,15 @@ def collect(root: str | Path) -> list[dict]:
         row["tokens_per_s"], row["mfu"] = _median(records, "tokens_per_s"), _median(records, "mfu")
         row["compile_s"] = sum(r["first_step_s"] for r in records if r.get("kind") == "compile") \
             or None
+        if (d / TIMING_FILE).is_file():
+            row["wall_s"] = sum(b - a for a, b in json.loads((d / TIMING_FILE).read_text()))
         if row["status"] == "done":
             summary = json.loads((d / "summary.json").read_text())
             last = summary.get("heldout_last", {})
-            row.update(loss=last.get("loss"), bpb=last.get("bpb"), wall_s=summary["seconds"])
+            row.update(loss=last.get("loss"), bpb=last.get("bpb"))
+            if row["wall_s"] and row["tokens_per_s"]:
+                # Start-up, compilation, evaluation and checkpoints: wall time not spent stepping.
+                row["overhead"] = max(0.0, 1 - p["tokens"] / row["tokens_per_s"] / row["wall_s"])
         if row["status"] == "failed":
             row["error"] = json.loads((d / FAILED_FILE).read_text())["error"].splitlines()[0]
         rows.append(row)
@@ -246,7 +251,8 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
                      f"{r['tokens']:,} | {r['compute']:.3g} | {r['seed']} | "
                      f"{num(r['loss'], '.4f')} | {num(r['bpb'], '.4f')} | "
                      f"{num(r['tokens_per_s'], ',.0f')} | {num(r['mfu'], '.1%')} | "
-                     f"{num(r['wall_s'], '.0f')} | {num(r['compile_s'], '.1f')} | {r['status']} |")
+                     f"{num(r['wall_s'], '.0f')} | {num(r['compile_s'], '.1f')} | "
+                     f"{num(r['overhead'], '.0%')} | {r['status']} |")
     lines += ["", "## Fits", ""]
     for v, entry in fits["variants"].items():
         iso = entry.get("isoflop")
@@ -278,12 +284,13 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
     return "\n".join(lines) + "\n"
 
 
-def write_report(root: str | Path, compute: float | None = None, resamples: int = 200) -> str:
-    """Write everything into ``root/report``; returns the summary's path."""
+def write_report(root: str | Path, compute: float | None = None, resamples: int = 200,
+                 out: str | Path | None = None) -> str:
+    """Write everything into ``out`` (default ``root/report``); returns the summary's path."""
     root = Path(root)
     plan = read_plan(root)
-    out = root / "report"
-    out.mkdir(exist_ok=True)
+    out = Path(out) if out else root / "report"
+    out.mkdir(parents=True, exist_ok=True)
     rows = collect(root)
     _write_tables(rows, out)
     runs = _runs_by_variant(rows, plan)

@@ -35,6 +35,7 @@ from k3jax.sweep.spec import Executor, SweepError
 
 PLAN_FILE = "plan.json"
 FAILED_FILE = "failed.json"
+TIMING_FILE = "timing.json"  # [[start, end], ...] of each invocation, start-up included
 
 
 # -- the sweep directory ------------------------------------------------------------------------
@@ -122,9 +123,11 @@ def _train(cfg: ExperimentConfig, workdir: Path) -> None:
     run(cfg, workdir)
 
 
-def run_job(root: str | Path, job: str) -> dict[str, str]:
-    """Run job ``job`` of the sweep at ``root`` in this process; returns each point's status."""
+def run_job(root: str | Path, job: str, started: float | None = None) -> dict[str, str]:
+    """Run job ``job`` of the sweep at ``root`` in this process; returns each point's status.
+    ``started``: when this process started (its start-up counts towards the first point)."""
     root = Path(root)
+    t0 = started or time.time()
     record = read_plan(root)
     use_compilation_cache(root)
     rows = {p["name"]: p for p in record["points"]}
@@ -141,6 +144,9 @@ def run_job(root: str | Path, job: str) -> dict[str, str]:
             _train(_config(row["config"]), run_dir(root, name))
         except Exception as e:  # noqa: BLE001 - recorded; the other points go on
             _record_failure(root, name, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            _add_timing(run_dir(root, name), t0, time.time())
+            t0 = time.time()
     return {n: point_status(root, rows[n]) for n in names}
 
 
@@ -165,6 +171,13 @@ def _seed_branch(root: Path, group: dict, row: dict) -> None:
     shutil.copytree(src, tmp)
     ckpts.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, ckpts / str(b))  # whole or absent: a copy cut short is never restored
+
+
+def _add_timing(d: Path, start: float, end: float) -> None:
+    path = d / TIMING_FILE
+    spans = json.loads(path.read_text()) if path.is_file() else []
+    d.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([*spans, [start, end]]))
 
 
 # -- executors ----------------------------------------------------------------------------------
@@ -309,5 +322,6 @@ def _exit_with_parent() -> None:
 
 
 if __name__ == "__main__":  # a local executor's job process: python -m k3jax.sweep.runner DIR JOB
+    _started = time.time()  # before JAX is imported: start-up is part of the point's wall time
     _exit_with_parent()
-    run_job(sys.argv[1], sys.argv[2])
+    run_job(sys.argv[1], sys.argv[2], _started)
