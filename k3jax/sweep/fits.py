@@ -160,7 +160,7 @@ def _huber_objective(theta: np.ndarray, log_n, log_d, log_l):
 
 # The Huber loss at delta 1e-3 is nearly L1 on log residuals of a few 1e-3: with L-BFGS's default
 # tolerances a refit stops at its start, and bootstrap intervals come out far too narrow.
-LBFGS_OPTIONS = {"ftol": 1e-12, "gtol": 1e-9, "maxiter": 500}
+LBFGS_OPTIONS = {"ftol": 1e-11, "gtol": 1e-8, "maxiter": 300}
 # 32 starts: L-BFGS from each converges in tens of steps; bootstrap refits start from the best.
 START_GRID = {"e": (0.0, 1.0), "a": (2.0, 8.0), "b": (2.0, 8.0), "alpha": (0.2, 0.6),
               "beta": (0.2, 0.6)}

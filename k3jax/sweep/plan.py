@@ -205,9 +205,10 @@ def format_plan(plan: Plan, tokens_per_s: dict[tuple[str, int], float] | None = 
         shown = f"{secs:7.0f}s" if secs is not None else "       -"
         lines.append(f"{p.name:44s} {p.n:11,d} {p.n_total:11,d} {p.tokens:12,d} "
                      f"{p.compute:10.3g} {shown}")
+    as_points = sum(p.compute for p in plan.points)
+    total *= plan.trained_compute() / as_points  # shared stable phases train once
     lines.append(f"{len(plan.points)} points in {len(plan.jobs())} jobs; compute "
-                 f"{sum(p.compute for p in plan.points):.3g} FLOPs as points, "
-                 f"{plan.trained_compute():.3g} trained"
+                 f"{as_points:.3g} FLOPs as points, {plan.trained_compute():.3g} trained"
                  + (" (stable phases shared)" if plan.groups else "")
                  + (f"; about {total / 60:.1f} min if run in turn" if total else ""))
     return "\n".join(lines)
