@@ -237,3 +237,39 @@ def test_sweep_checks(tmp_path):
     with pytest.raises(SweepError, match="wsd_branching=True is invalid.*'cosine'"):
         _toy_sweep(tmp_path, base=cosine, wsd_branching=True)
     assert isinstance(_toy_sweep(tmp_path), Sweep)
+
+
+@pytest.mark.slow
+def test_report_fits_isoflop_profiles_and_the_multiplier(tmp_path):
+    """A planned IsoFLOP sweep whose runs are given losses from a known law (no training): the
+    variant is worth 1.3x the baseline's compute; the report's fits, plots and summary say so."""
+    import numpy as np
+
+    sweep = dataclasses.replace(_toy_sweep(tmp_path), ladder=Ladder(sizes=(32, 48, 64, 96)),
+                                budget=Budget(compute=(1e9, 3e9, 1e10)), seeds=(0,),
+                                baseline="situ")
+    plan = plan_sweep(sweep)
+    write_plan(plan, tmp_path / "d")
+    rng = np.random.default_rng(0)
+    mid = plan.point(next(p.name for p in plan.points if p.size == 48)).n
+    for p in plan.points:
+        c = p.budget * (1.3 if p.variant == "swiglu" else 1.0)
+        n_opt = mid * (c / 3e9) ** 0.5
+        loss = (40 * c ** -0.08 + 0.03 * np.log(p.n / n_opt) ** 2) * np.exp(rng.normal(0, 1e-3))
+        d = tmp_path / "d" / "runs" / p.name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({
+            "steps": p.steps, "seconds": 1.0,
+            "heldout_last": {"step": p.steps, "loss": loss, "bpb": loss / 2, "accuracy": 0.0}}))
+    assert main(["report", str(tmp_path / "d"), "--bootstrap", "10", "--out",
+                 str(tmp_path / "r")]) == 0
+    fits = json.loads((tmp_path / "r" / "fits.json").read_text())
+    m = fits["multipliers"]["swiglu"]
+    assert abs(m["value"] - 1.3) < 0.05 and 1.0 < m["low"] < m["high"], m
+    iso = fits["variants"]["situ"]["isoflop"]
+    assert len(iso["profiles"]) == 3 and abs(iso["loss_law"]["b"]["value"] - 0.08) < 0.005
+    assert "chinchilla" in fits["variants"]["situ"]
+    for png in ("loss_vs_compute", "isoflop", "n_opt", "multipliers"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "## Compute multipliers against `situ`" in summary and "excludes 1" in summary
