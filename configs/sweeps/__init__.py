@@ -1,0 +1,1 @@
+"""Sweep files: one Python file per scaling study, each with ``get_sweep()``."""

@@ -1,0 +1,275 @@
+"""Sweeps: a toy sweep planned, run, SIGKILLed and resumed to the same results, then reported;
+WSD branches equal full WSD runs; bad specs are named errors before anything trains.
+
+Runs are subprocesses of ``python -m k3jax.sweep`` with one CPU device, sharing one compilation
+cache. Model: one MLA layer, d_model 32, vocab 256, 32-token sequences of the MQAR task.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3jax.config.experiment import OptimConfig
+from k3jax.sweep import Budget, Executor, Ladder, Sweep, SweepError, Variant, load_sweep
+from k3jax.sweep.__main__ import main
+from k3jax.sweep.plan import branch_step, plan_sweep
+from k3jax.sweep.report import collect
+from k3jax.sweep.runner import PLAN_FILE, check_executor, run_sweep, write_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SPEC = """
+from k3jax.config import FFNConfig, MLAConfig, ModelConfig
+from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig,
+                                     OptimConfig, TrainConfig)
+from k3jax.config.experiment import OptimConfig
+from k3jax.sweep import Budget, Executor, Ladder, Sweep, Variant
+
+
+def base():
+    return ExperimentConfig(
+        model=ModelConfig(vocab_size=256, d_model=32, num_layers=1, mla_every=1, first_k_dense=1,
+                          mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16),
+                          dense_ffn=FFNConfig(intermediate_size=64), dtype="float32"),
+        data=DataConfig(task="mqar", seq_len=32, batch_size=4),
+        optim=OptimConfig(lr=1e-2, warmup_steps=2, decay_fraction=0.5),
+        train=TrainConfig(log_every=2),
+        checkpoint=CheckpointConfig(every=2, keep=2), eval=EvalConfig(every=100, batches=1))
+
+
+def get_sweep():
+    return Sweep(name="toy", base=base(), ladder=Ladder(sizes=(32,)),
+                 budget=Budget(tokens={tokens}, fractions={fractions}),
+                 variants={variants},
+                 seeds={seeds}, wsd_branching={branching}, executor=Executor(kind="inline"))
+"""
+
+
+VARIANTS = '(Variant("situ"), Variant("swiglu", ("model.dense_ffn.activation=swiglu",)))'
+
+
+def _spec(path: Path, tokens=(1536,), fractions=(1.0,), seeds=(0, 1), branching=False,
+          variants=VARIANTS) -> Path:
+    path.write_text(SPEC.format(tokens=tokens, fractions=fractions, seeds=seeds,
+                                branching=branching, variants=variants))
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    return root, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",  # one CPU device
+                  "JAX_COMPILATION_CACHE_DIR": str(root / "jaxc"),
+                  "PYTHONPATH": str(ROOT)}  # submitit's job processes import k3jax too
+
+
+def _cli(args, env, **kw):
+    return subprocess.Popen([sys.executable, "-m", "k3jax.sweep", *map(str, args)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kw)
+
+
+def _finish(proc) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _losses(d: Path) -> dict:
+    return {r["name"]: r["loss"] for r in collect(d)}
+
+
+@pytest.fixture(scope="module")
+def toy(env):
+    """A: straight through, in turn; B: two CPU processes at once, SIGKILLed (the whole process
+    group) once a point has finished, then resumed through submitit's local executor."""
+    root, e = env
+    spec = _spec(root / "toy.py")
+    _finish(_cli(["run", spec, "--dir", root / "A"], e))
+    b = root / "B"
+    proc = _cli(["run", spec, "--dir", b, "--executor", "local", "--devices", "cpu",
+                 "--per-device", "2"], e, start_new_session=True)
+    deadline = time.time() + 600
+    while not list(b.glob("runs/*/summary.json")) and proc.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    killed = {r["name"]: r["status"] for r in collect(b)}
+    resumed = _finish(_cli(["run", spec, "--dir", b, "--executor", "submitit-local"], e))
+    return {"root": root, "spec": spec, "A": root / "A", "B": b, "killed": killed,
+            "resumed": resumed, "env": e}
+
+
+def test_plan_lists_points_and_trains_nothing(env, capsys, tmp_path):
+    spec = _spec(tmp_path / "toy.py")
+    assert main(["plan", str(spec)]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(("situ", "swiglu"))]
+    assert names == ["situ.w32.lr0.01.s0.t12", "situ.w32.lr0.01.s1.t12",
+                     "swiglu.w32.lr0.01.s0.t12", "swiglu.w32.lr0.01.s1.t12"]
+    assert "4 points in 4 jobs" in out
+    assert list(tmp_path.iterdir()) == [spec]
+
+
+def test_killed_sweep_resumes_to_the_same_results(toy):
+    assert "done" in toy["killed"].values()
+    assert set(toy["killed"].values()) != {"done"}  # the kill came mid-sweep
+    a, b = _losses(toy["A"]), _losses(toy["B"])
+    assert len(a) == 4 and all(v is not None for v in a.values())
+    assert a == b  # every point, bit for bit: resumed from checkpoints or trained afresh
+    assert "4 done" in toy["resumed"]
+    again = _finish(_cli(["run", toy["spec"], "--dir", toy["B"]], toy["env"]))
+    assert "4 of 4 points done; 0 jobs" in again
+
+
+def test_report_writes_tables_plots_and_summary(toy):
+    assert main(["report", str(toy["B"]), "--bootstrap", "20"]) == 0
+    out = toy["B"] / "report"
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"done"}
+    assert all(r["loss"] > 0 and r["bpb"] > 0 and r["n"] > 0 and r["tokens"] == 1536
+               for r in rows)
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert header.startswith("name,variant,seed,size,lr,n,n_total,tokens,compute")
+    summary = (out / "summary.md").read_text()
+    assert "no IsoFLOP fit" in summary and "| swiglu | 32 |" in summary
+    assert (out / "loss_vs_compute.png").stat().st_size > 1000
+
+
+def test_wsd_branches_equal_full_wsd_runs(env):
+    root, e = env
+    one = '(Variant("situ"),)'
+    branched = _spec(root / "branched.py", fractions=(0.5, 1.0), seeds=(0,), branching=True,
+                     variants=one)
+    plan = plan_sweep(load_sweep(branched))
+    assert len(plan.groups) == 1 and len(plan.groups[0].points) == 2
+    assert [plan.point(n).branch_step for n in plan.groups[0].points] == [5, 8]
+    _finish(_cli(["run", branched, "--dir", root / "branched"], e))
+    straight = _spec(root / "straight.py", fractions=(0.5, 1.0), seeds=(0,), variants=one)
+    _finish(_cli(["run", straight, "--dir", root / "straight"], e))
+    assert _losses(root / "branched") == _losses(root / "straight")
+    assert (root / "branched" / "stable").is_dir()
+
+
+def test_branch_step_is_where_the_decay_starts():
+
+    # 100 steps, 10 warmup, decay over 20% of the 90 after it: flat through step 82.
+    assert branch_step(OptimConfig(warmup_steps=10, decay_fraction=0.2), 100) == 83
+
+
+# -- bad specs ------------------------------------------------------------------------------------
+
+def _toy_sweep(tmp_path, **changes):
+
+    sweep = load_sweep(_spec(tmp_path / "toy.py"))
+    return dataclasses.replace(sweep, **changes)
+
+
+def test_unknown_axis_is_named(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(_spec(tmp_path / "toy.py").read_text().replace("sizes=", "size="))
+    with pytest.raises(SweepError, match="unknown axis 'size' of Ladder; did you mean sizes"):
+        load_sweep(bad)
+
+
+def test_unknown_override_is_named(tmp_path):
+    with pytest.raises(SweepError, match="variant 'x'.*unknown key 'mla_evry'.*model.mla_every"):
+        _toy_sweep(tmp_path, variants=(Variant("x", ("model.mla_evry=2",)),))
+
+
+def test_rung_the_model_cannot_build_is_named(tmp_path):
+    with pytest.raises(SweepError, match="rung d_model=40: mla.num_heads .* whole number"):
+        plan_sweep(_toy_sweep(tmp_path, ladder=Ladder(sizes=(32, 40))))
+    with pytest.raises(SweepError, match="rung depth=0|sizes=.*positive"):
+        Ladder(sizes=(0,), knob="depth")
+    # Without MoE every layer is dense (first_k_dense = num_layers = 3): two layers cannot hold it.
+    deep = _toy_sweep(tmp_path, ladder=Ladder(sizes=(3, 2), knob="depth"),
+                      variants=(Variant("dense3", ("model.num_layers=3",)),))
+    with pytest.raises(SweepError, match="rung depth=2: the model cannot be built.*first_k_dense"):
+        plan_sweep(deep)
+
+
+def test_budget_below_one_step_is_named(tmp_path):
+    with pytest.raises(SweepError, match="below one step of 128 tokens"):
+        plan_sweep(_toy_sweep(tmp_path, budget=Budget(tokens=(50,))))
+    with pytest.raises(SweepError, match="exactly one of tokens, tokens_per_param, compute"):
+        Budget(tokens=(100,), compute=(1e12,))
+
+
+def test_unavailable_executor_is_named_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no nvidia-smi
+    with pytest.raises(SweepError, match="executor 'slurm' is not available: sbatch"):
+        check_executor(Executor(kind="slurm"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sweep = _toy_sweep(tmp_path, executor=Executor(kind="local", devices="gpu"))
+    with pytest.raises(SweepError, match="no GPU is visible"):
+        run_sweep(plan_sweep(sweep), tmp_path / "out")
+    assert not (tmp_path / "out" / PLAN_FILE).exists()
+    with pytest.raises(SweepError, match="Executor.kind='cluster'"):
+        Executor(kind="cluster")
+
+
+def test_another_plan_in_the_directory_is_an_error(tmp_path, env):
+    sweep = _toy_sweep(tmp_path)
+
+    write_plan(plan_sweep(sweep), tmp_path / "d")
+    other = plan_sweep(_toy_sweep(tmp_path, seeds=(5,)))
+    with pytest.raises(SweepError, match="holds a different plan"):
+        write_plan(other, tmp_path / "d")
+
+
+def test_sweep_checks(tmp_path):
+
+    with pytest.raises(SweepError, match="baseline='nope'"):
+        _toy_sweep(tmp_path, baseline="nope")
+    base = _toy_sweep(tmp_path).base
+    cosine = dataclasses.replace(base, optim=dataclasses.replace(base.optim, schedule="cosine"))
+    with pytest.raises(SweepError, match="wsd_branching=True is invalid.*'cosine'"):
+        _toy_sweep(tmp_path, base=cosine, wsd_branching=True)
+    assert isinstance(_toy_sweep(tmp_path), Sweep)
+
+
+@pytest.mark.slow
+def test_report_fits_isoflop_profiles_and_the_multiplier(tmp_path):
+    """A planned IsoFLOP sweep whose runs are given losses from a known law (no training): the
+    variant is worth 1.3x the baseline's compute; the report's fits, plots and summary say so."""
+    import numpy as np
+
+    sweep = dataclasses.replace(_toy_sweep(tmp_path), ladder=Ladder(sizes=(32, 48, 64, 96)),
+                                budget=Budget(compute=(1e9, 3e9, 1e10)), seeds=(0,),
+                                baseline="situ")
+    plan = plan_sweep(sweep)
+    write_plan(plan, tmp_path / "d")
+    rng = np.random.default_rng(0)
+    mid = plan.point(next(p.name for p in plan.points if p.size == 48)).n
+    for p in plan.points:
+        c = p.budget * (1.3 if p.variant == "swiglu" else 1.0)
+        n_opt = mid * (c / 3e9) ** 0.5
+        loss = (40 * c ** -0.08 + 0.03 * np.log(p.n / n_opt) ** 2) * np.exp(rng.normal(0, 1e-3))
+        d = tmp_path / "d" / "runs" / p.name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({
+            "steps": p.steps, "seconds": 1.0,
+            "heldout_last": {"step": p.steps, "loss": loss, "bpb": loss / 2, "accuracy": 0.0}}))
+    assert main(["report", str(tmp_path / "d"), "--bootstrap", "10", "--out",
+                 str(tmp_path / "r")]) == 0
+    fits = json.loads((tmp_path / "r" / "fits.json").read_text())
+    m = fits["multipliers"]["swiglu"]
+    assert abs(m["value"] - 1.3) < 0.05 and 1.0 < m["low"] < m["high"], m
+    iso = fits["variants"]["situ"]["isoflop"]
+    assert len(iso["profiles"]) == 3 and abs(iso["loss_law"]["b"]["value"] - 0.08) < 0.005
+    assert "chinchilla" in fits["variants"]["situ"]
+    for png in ("loss_vs_compute", "isoflop", "n_opt", "multipliers"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "## Compute multipliers against `situ`" in summary and "excludes 1" in summary
