@@ -118,7 +118,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive(self, "steps", "micro_batches", "log_every", "max_bad_steps")
-        one_of(self, "schedule_change", ("continue", "refuse"))
+        check_literals(self)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         positive(self, "every", "keep")
-        one_of(self, "on_save_error", ("stop", "continue"))
+        check_literals(self)
 
 
 @dataclass(frozen=True)
