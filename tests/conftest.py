@@ -14,3 +14,24 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402  (after the flags above)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# `make test` runs `pytest -n 2 --dist loadfile`: whole files go to the two workers in the queue's
+# order. These files start training jobs or benchmark scripts in subprocesses (a minute or more
+# each, in one to five tests): they are queued first, so they run while the other worker takes the
+# many short files, not at the end on one worker with the other idle. (pytest-xdist would otherwise
+# queue files by their number of tests, which puts exactly these last.)
+SUBPROCESS_HEAVY_FILES = ("test_distributed_train.py", "test_train.py", "test_benchmarks_smoke.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return SUBPROCESS_HEAVY_FILES.index(name) if name in SUBPROCESS_HEAVY_FILES else len(
+            SUBPROCESS_HEAVY_FILES)
+
+    items.sort(key=rank)  # stable: the order inside each file and of the other files is kept

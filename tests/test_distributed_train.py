@@ -1,9 +1,12 @@
 """``train.py`` itself as two ``jax.distributed`` processes on localhost (CPU collectives).
 
-Each process owns two CPU devices of one ``data=4`` mesh, loads only its rows of every batch, writes
-and reads only its own shards of every checkpoint, and only process 0 writes metrics. The losses
-must equal a one-process run of the same config, and a second launch must resume from the
-processes' shared checkpoint.
+Two processes with four CPU devices each form one (data 2, expert 4) mesh and train a one-layer
+MoE model (Quantile Balancing on) with the all-to-all dispatch. Each process loads only its rows of
+every batch, writes and reads only its own shards of every checkpoint, and only process 0 writes
+metrics. The losses must equal a one-device run of the same config with the ragged dispatch, and a
+second launch must resume from the processes' shared checkpoint. Run as a script, this file is a
+process of the job: ``train.py``'s ``main`` with the given arguments, then one JSON line with the
+devices it saw and the batch rows it held.
 """
 
 from __future__ import annotations
@@ -17,34 +20,48 @@ from pathlib import Path
 import numpy as np
 
 from helpers import free_port, wait_all
-from test_train import PRESET
+from test_parallel import LOSS_RTOL, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSS_RTOL = 1e-5  # fp32, same math; only the order of the data-parallel reduction differs
-TIMEOUT_S = 300
-COMMON = ["--set", "data.task=mqar", "--set", "train.log_every=1", "--set", "eval.every=1000",
-          "--set", "eval.tasks=", "--set", "checkpoint.every=2", "--set", "train.micro_batches=1"]
+PROCESSES, DEVICES_PER_PROCESS = 2, 4
+BATCH, SEQ = 8, 32
+TIMEOUT_S = 600  # a hang guard only; a loaded 2-core machine needs minutes
+PRESET = """
+from k3jax.config import *
+from k3jax.config.experiment import *
+
+def get_config():
+    return ExperimentConfig(
+        model={model!r},
+        data=DataConfig(task="mqar", seq_len={seq}, batch_size={batch}),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0),
+        train=TrainConfig(steps=4, log_every=1, micro_batches=1),
+        checkpoint=CheckpointConfig(every=2, keep=3),
+        eval=EvalConfig(every=1000, batches=1))
+"""
 
 
-def _env(devices: int, **extra) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+def _launch(preset: Path, workdir: Path, steps: int, devices: int, *sets: str, **env):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env}
+    args = ["--config", str(preset), "--workdir", str(workdir), "--set", f"train.steps={steps}"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen([sys.executable, __file__, *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _train(preset: Path, workdir: Path, steps: int, mesh_data: int, env: dict):
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(preset), "--workdir",
-           str(workdir), "--set", f"train.steps={steps}", "--set", f"mesh.data={mesh_data}",
-           *COMMON]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-
-
-def _two_processes(preset, workdir, steps):
+def _two_processes(preset: Path, workdir: Path, steps: int) -> list[str]:
     port = free_port()
-    procs = [_train(preset, workdir, steps, 4, _env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                                    JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-             for i in range(2)]
+    procs = [_launch(preset, workdir, steps, DEVICES_PER_PROCESS, "mesh.data=2", "mesh.expert=4",
+                     JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                     JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(i))
+             for i in range(PROCESSES)]
     return wait_all(procs, TIMEOUT_S)
+
+
+def _report(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
 def _losses(workdir: Path) -> dict[int, float]:
@@ -52,16 +69,21 @@ def _losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def test_two_process_training_matches_one_process_and_resumes(tmp_path):
+def test_two_process_training_matches_one_device_and_resumes(tmp_path):
     preset = tmp_path / "preset.py"
-    preset.write_text(PRESET.format(source=str(tmp_path)))  # the corpus source is unused (mqar)
+    preset.write_text(PRESET.format(model=tiny_moe_config("all_to_all", vocab_size=256),
+                                    seq=SEQ, batch=BATCH))
 
-    single = _train(preset, tmp_path / "one", 4, 1, _env(1))
-    _two_processes(preset, tmp_path / "two", 4)
+    single = _launch(preset, tmp_path / "one", 4, 1, "mesh.data=1", "model.moe.dispatch=ragged")
+    outs = _two_processes(preset, tmp_path / "two", 4)
     wait_all([single], TIMEOUT_S)
 
+    for out in outs:
+        report = _report(out)
+        assert report["devices"] == PROCESSES * DEVICES_PER_PROCESS
+        assert report["local_rows"] == BATCH // PROCESSES                 # each loads its half
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert sorted(two) == [1, 2, 3, 4]
+    assert sorted(two) == [1, 2, 3, 4]                                    # one writer of metrics
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
                                rtol=LOSS_RTOL)
     assert (tmp_path / "two" / "checkpoints" / "4").is_dir()
@@ -69,3 +91,27 @@ def test_two_process_training_matches_one_process_and_resumes(tmp_path):
     outs = _two_processes(preset, tmp_path / "two", 6)  # the same command, more steps: resumes
     assert any("resumed from" in out for out in outs), outs[0][-2000:]
     assert sorted(_losses(tmp_path / "two")) == [1, 2, 3, 4, 5, 6]
+
+
+def _process(argv: list[str]) -> int:
+    """``train.py``'s ``main``, then ``{"devices", "local_rows"}`` of the mesh it trained on."""
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    rc = train.main(argv)
+    if rc == 0:
+        import jax
+
+        import k3jax.parallel as kp
+        from k3jax.config.experiment import apply_overrides, load_config
+
+        args = train.parse_args(argv)
+        mesh_cfg = apply_overrides(load_config(args.config), args.overrides).mesh
+        sharding = kp.batch_sharding(kp.make_mesh(mesh_cfg), mesh_cfg.rules)
+        rows = kp.local_batch_rows(sharding, (BATCH, SEQ))
+        print(json.dumps({"devices": jax.device_count(), "local_rows": rows.stop - rows.start}))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(_process(sys.argv[1:]))

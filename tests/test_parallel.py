@@ -2,8 +2,8 @@
 
 The training test runs a few AdamW steps of a tiny MoE model (Quantile Balancing on) on a
 (data 2, expert 4) mesh with the all-to-all dispatch and on one device with the ragged dispatch:
-losses, parameters and router biases agree to fp32 round-off. :func:`train_losses` is also the
-body of the two-process test in ``test_distributed.py``.
+losses, parameters and router biases agree to fp32 round-off. :func:`tiny_moe_config` is also the
+model of the two-process ``train.py`` test in ``test_distributed_train.py``.
 """
 
 from __future__ import annotations
