@@ -36,8 +36,14 @@ jax.config.update("jax_enable_compilation_cache", False)
 from k3jax.config.experiment import apply_overrides  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
 from k3jax.train.optim import build_optimizer, schedule  # noqa: E402
-from k3jax.train.step import (BATCH_KEYS, MUTABLE, _variables, init_state,  # noqa: E402
-                              make_train_step, token_nats)
+from k3jax.train.step import (  # noqa: E402
+    BATCH_KEYS,
+    MUTABLE,
+    _variables,
+    init_state,
+    make_train_step,
+    token_nats,
+)
 
 
 def timed_compile(fn, *args) -> dict:

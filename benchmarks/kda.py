@@ -28,7 +28,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from _timing import emit, timed
 
 SHAPES = ((1, 8192, 16, 128), (8, 4096, 16, 128), (2, 8192, 64, 128), (1, 32768, 16, 128))

@@ -29,8 +29,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
 from _timing import emit, timed
+
 from pallas_kernels import kda_scores
 from pallas_kernels._mgpu import CHUNK, KT
 

@@ -37,6 +37,7 @@ if "--tiny" in sys.argv and "xla_force_host_platform_device_count" not in os.env
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _timing import emit, timed  # noqa: E402
 
 import k3jax.parallel as kp  # noqa: E402
 from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
@@ -45,10 +46,9 @@ from k3jax.layers.moe import MoEBlock  # noqa: E402
 from k3jax.model import SCANNED_COLLECTIONS  # noqa: E402
 from k3jax.ops.balancing import update_balance  # noqa: E402
 from k3jax.ops.ep_dispatch import EP_DISPATCHES, ep_dispatch  # noqa: E402
+from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
-from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
-from _timing import emit, timed  # noqa: E402
 
 FULL = dict(d_model=2048, num_experts=64, top_k=8, latent_dim=1024, expert_intermediate=768,
             shared_intermediate=2048, layers=4, tokens_per_device=16384, seq_len=2048)

@@ -14,9 +14,8 @@ import collections
 import glob
 import os
 
-from jax.profiler import ProfileData
-
 from _timing import emit
+from jax.profiler import ProfileData
 
 
 def kernel_times(path: str) -> dict[str, collections.Counter]:

@@ -37,9 +37,9 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-
 from _timing import emit, timed
 from compile_time import loss_fn
+
 from k3jax.config.experiment import apply_overrides
 from k3jax.layers.ffn import GLUMLP
 from k3jax.layers.kda import KDALayer

@@ -7,8 +7,14 @@ def released_scale_run(model):
     """The published recipe's shape of a run (Muon, WSD, 4K context, byte-level BPE) around a
     released-size model; for shape checks and accounting -- a real run needs a sharded multi-host
     setup and a corpus of its own (``--set data.sources=...`` or ``data.data_dir=...``)."""
-    from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
-                                         ExperimentConfig, OptimConfig, TrainConfig)
+    from k3jax.config.experiment import (
+        CheckpointConfig,
+        DataConfig,
+        EvalConfig,
+        ExperimentConfig,
+        OptimConfig,
+        TrainConfig,
+    )
 
     return ExperimentConfig(
         model=model,

@@ -30,8 +30,14 @@ def get_config():
     --vocab 16384``). Without either the run trains on the Python standard library, with a note
     saying so: it runs anywhere, but it is a small corpus of code, not English.
     """
-    from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
-                                         ExperimentConfig, OptimConfig, TrainConfig)
+    from k3jax.config.experiment import (
+        CheckpointConfig,
+        DataConfig,
+        EvalConfig,
+        ExperimentConfig,
+        OptimConfig,
+        TrainConfig,
+    )
 
     return ExperimentConfig(
         model=model_config(),

@@ -21,8 +21,14 @@ def model_config() -> ModelConfig:
 
 def get_config():
     """The README's main job: ``make train`` (k3_tiny on the Python standard library, CPU)."""
-    from k3jax.config.experiment import (CheckpointConfig, DataConfig, EvalConfig,
-                                         ExperimentConfig, OptimConfig, TrainConfig)
+    from k3jax.config.experiment import (
+        CheckpointConfig,
+        DataConfig,
+        EvalConfig,
+        ExperimentConfig,
+        OptimConfig,
+        TrainConfig,
+    )
 
     return ExperimentConfig(
         model=model_config(),

@@ -17,15 +17,27 @@ Reference: ``jnp.cumsum`` over each chunk (:func:`chunk_cumsum_reference`).
 
 from __future__ import annotations
 
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import (BF16, CHUNK, F32, KT, SPLITS, column_tiles, iota, kernel, load,
-                                  matmul, shared_lowering, store_split, tiles)
+from pallas_kernels._mgpu import (
+    BF16,
+    CHUNK,
+    F32,
+    KT,
+    SPLITS,
+    column_tiles,
+    iota,
+    kernel,
+    load,
+    matmul,
+    shared_lowering,
+    store_split,
+    tiles,
+)
 from pallas_kernels.kda_gates import gate_factors, gated_operands
 
 

@@ -23,8 +23,20 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels._mgpu import (BF16, CHUNK, COL, F32, KT, ROW, iota, load, matmul, per_col,
-                                  per_row, store_split)
+from pallas_kernels._mgpu import (
+    BF16,
+    CHUNK,
+    COL,
+    F32,
+    KT,
+    ROW,
+    iota,
+    load,
+    matmul,
+    per_col,
+    per_row,
+    store_split,
+)
 
 
 class SegmentMasks(NamedTuple):

@@ -44,8 +44,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels._mgpu import (BF16, CHUNK, COL, F32, ROW, column_tiles, iota, kernel, load,
-                                  matmul, per_col, per_row, shared_lowering, store_split, tiles)
+from pallas_kernels._mgpu import (
+    BF16,
+    CHUNK,
+    COL,
+    F32,
+    ROW,
+    column_tiles,
+    iota,
+    kernel,
+    load,
+    matmul,
+    per_col,
+    per_row,
+    shared_lowering,
+    store_split,
+    tiles,
+)
 
 BLOCK = 16  # rows of a diagonal block inverted by elimination
 FULL = (CHUNK, CHUNK)

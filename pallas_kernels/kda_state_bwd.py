@@ -25,7 +25,18 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, kernel, load, matmul, per_row, products, tiles
+from pallas_kernels._mgpu import (
+    BF16,
+    F32,
+    ROW,
+    copy_all,
+    kernel,
+    load,
+    matmul,
+    per_row,
+    products,
+    tiles,
+)
 from pallas_kernels.kda_state_fwd import BLOCK_V
 from pallas_kernels.kda_state_grads import state_grads
 

@@ -24,7 +24,18 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, ROW, copy_all, finish_together, kernel, load, matmul, per_row, tiles
+from pallas_kernels._mgpu import (
+    BF16,
+    F32,
+    ROW,
+    copy_all,
+    finish_together,
+    kernel,
+    load,
+    matmul,
+    per_row,
+    tiles,
+)
 
 BLOCK_V = 64
 

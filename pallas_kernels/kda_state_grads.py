@@ -21,7 +21,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu import BF16, F32, column_tiles, finish_together, kernel, load, products, tiles
+from pallas_kernels._mgpu import (
+    BF16,
+    F32,
+    column_tiles,
+    finish_together,
+    kernel,
+    load,
+    products,
+    tiles,
+)
 
 
 def chunk_products_reference(states, dstates, vt, dvt, do):

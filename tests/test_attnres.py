@@ -15,14 +15,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import small_config
+
 from k3jax.config import ResidualConfig
-from k3jax.layers.attnres import (AttnResFinalRead, AttnResidual, block_size, initial_state,
-                                  join_state, num_block_slots, settle, split_state)
+from k3jax.layers.attnres import (
+    AttnResFinalRead,
+    AttnResidual,
+    block_size,
+    initial_state,
+    join_state,
+    num_block_slots,
+    settle,
+    split_state,
+)
 from k3jax.model import K3Model, abstract_variables, init_variables
-from k3jax.ops.attnres import (attnres_reference, attnres_two_phase, depth_mix, depth_mix_reference,
-                               full_attnres_reference)
+from k3jax.ops.attnres import (
+    attnres_reference,
+    attnres_two_phase,
+    depth_mix,
+    depth_mix_reference,
+    full_attnres_reference,
+)
 from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 from k3jax.stack import plan_segments, unroll_params
 

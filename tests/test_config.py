@@ -5,8 +5,15 @@ import typing
 
 import pytest
 
-from k3jax.config import (ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
-                          ResidualConfig)
+from k3jax.config import (
+    ConfigError,
+    FFNConfig,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    ResidualConfig,
+)
 from k3jax.config.experiment import DataConfig, OptimConfig
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from k3jax.config import ConfigError
-from k3jax.config.experiment import (ExperimentConfig, apply_overrides, from_dict, load_config)
+from k3jax.config.experiment import ExperimentConfig, apply_overrides, from_dict, load_config
 
 
 def test_overrides_are_typed_and_nested():

@@ -7,8 +7,15 @@ import tarfile
 import numpy as np
 import pytest
 
-from k3jax.data import (PackedBatches, bits_per_byte, build_corpus, heldout_batches,
-                        load_tokenizer, open_corpus, window_batch)
+from k3jax.data import (
+    PackedBatches,
+    bits_per_byte,
+    build_corpus,
+    heldout_batches,
+    load_tokenizer,
+    open_corpus,
+    window_batch,
+)
 from k3jax.data.__main__ import main as data_main
 from k3jax.data.synthetic import TASKS, make_batch
 

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from helpers import free_port, wait_all
 from test_parallel import LOSS_RTOL, tiny_moe_config
 

@@ -18,8 +18,13 @@ from k3jax.ops import kda as kda_module
 from k3jax.ops.kda import kda, kda_decode, l2_normalize
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.kda_reference import kda_reference
-from k3jax.ops.tolerance import (BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL,
-                                 rel_rms)
+from k3jax.ops.tolerance import (
+    BF16_GRAD_GATE_TOL,
+    BF16_GRAD_QKV_TOL,
+    BF16_OUT_TOL,
+    FP32_TOL,
+    rel_rms,
+)
 
 # SPEC 10, by name: fp32 chunked vs recurrent <= FP32_TOL; bf16 inputs vs the fp32 reference:
 # outputs/states <= BF16_OUT_TOL, dq dk dv dh0 <= BF16_GRAD_QKV_TOL, dg dbeta <= BF16_GRAD_GATE_TOL.

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import small_config
+
 from k3jax.layers.conv import causal_conv, causal_conv_step
 from k3jax.layers.kda import KDALayer, kda_gate
 from k3jax.layers.mla import MLALayer

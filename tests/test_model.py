@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import small_config
+
 from k3jax.model import K3Model, abstract_variables, init_variables
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from k3jax.stack import plan_stack, unroll_params

@@ -14,8 +14,17 @@ from optax.contrib import MuonDimensionNumbers, muon
 
 from k3jax.config.experiment import OptimConfig
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
-from k3jax.train.optim import (NS_COEFFS, build_optimizer, decay_mask, muon_dims, muon_labels,
-                               newton_schulz, orthogonalize_grouped, path_name, schedule)
+from k3jax.train.optim import (
+    NS_COEFFS,
+    build_optimizer,
+    decay_mask,
+    muon_dims,
+    muon_labels,
+    newton_schulz,
+    orthogonalize_grouped,
+    path_name,
+    schedule,
+)
 
 SHAPES = {  # name: (shape, logical axes)
     "embedding": ((32, 16), ("vocab", "embed")),

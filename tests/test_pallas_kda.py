@@ -10,10 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case, kda_fp32_case
+
 from k3jax.ops.kda_reference import kda_reference
-from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
+from k3jax.ops.tolerance import (
+    BF16_GRAD_GATE_TOL,
+    BF16_GRAD_QKV_TOL,
+    BF16_OUT_TOL,
+    FP32_TOL,
+    rel_rms,
+)
 from pallas_kernels.kda import kda_pallas, supports
 from pallas_kernels.kda_prep import prepare, prepare_reference, state_pass_reference
 from pallas_kernels.kda_state_bwd import state_bwd

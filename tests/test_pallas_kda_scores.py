@@ -15,8 +15,8 @@ import pytest
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import kda_scores
 from pallas_kernels._mgpu import CHUNK as C
-from pallas_kernels.kda_prep import prepare, segment_masks
 from pallas_kernels.kda_gates import SegmentMasks
+from pallas_kernels.kda_prep import prepare, segment_masks
 from pallas_kernels.kda_scores import gated_scores, gated_scores_reference
 
 

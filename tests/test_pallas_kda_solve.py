@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import kda_correlated_keys_case
+from test_pallas_kda import _check_all
+
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels._mgpu import CHUNK
 from pallas_kernels.kda_solve import unit_lower_inverse_reference, wy, wy_reference
-from test_pallas_kda import _check_all
 
 STRICT = np.tri(CHUNK, k=-1, dtype=bool)
 NAMES = ("akk", "beta", "xk", "v")

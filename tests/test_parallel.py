@@ -13,10 +13,10 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import small_config
 from jax.sharding import PartitionSpec as P
 
 import k3jax.parallel as kp
-from helpers import small_config
 from k3jax.config import ConfigError, MoEConfig
 from k3jax.config.experiment import OptimConfig
 from k3jax.config.mesh import MeshConfig

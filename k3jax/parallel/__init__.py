@@ -4,11 +4,17 @@ The expert-parallel MoE dispatches run inside the model (:mod:`k3jax.ops.ep_disp
 the mesh and rules that :func:`use_mesh` makes current.
 """
 
-from k3jax.parallel.distributed import (initialize_distributed, local_batch_rows,
-                                        make_global_batch)
+from k3jax.parallel.distributed import initialize_distributed, local_batch_rows, make_global_batch
 from k3jax.parallel.mesh import check_experts_fit, expert_axis_size, make_mesh, use_mesh
-from k3jax.parallel.sharding import (batch_sharding, batch_shards, constrain, init_sharded,
-                                     logical_to_sharding, shardings_of, variable_shardings)
+from k3jax.parallel.sharding import (
+                                        batch_sharding,
+                                        batch_shards,
+                                        constrain,
+                                        init_sharded,
+                                        logical_to_sharding,
+                                        shardings_of,
+                                        variable_shardings,
+)
 from k3jax.parallel.step import batch_placement, init_sharded_state, sharded_step, under_mesh
 
 __all__ = ["batch_placement", "batch_sharding", "batch_shards", "check_experts_fit", "constrain",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config.mesh import rule_axes
 from k3jax.layers.param import constrain  # noqa: F401  (re-exported)

@@ -16,8 +16,13 @@ from jax.sharding import Mesh
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
 from k3jax.parallel.mesh import use_mesh
-from k3jax.parallel.sharding import (batch_sharding, batch_shards, init_sharded,
-                                     like_params_shardings, shardings_of)
+from k3jax.parallel.sharding import (
+    batch_sharding,
+    batch_shards,
+    init_sharded,
+    like_params_shardings,
+    shardings_of,
+)
 
 
 def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,

@@ -81,8 +81,15 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
 def _run_locked(cfg, workdir: Path, data, log) -> dict:
     from k3jax.model import K3Model, abstract_variables
-    from k3jax.parallel import (batch_placement, check_experts_fit, init_sharded_state,
-                                make_mesh, sharded_step, shardings_of, under_mesh)
+    from k3jax.parallel import (
+        batch_placement,
+        check_experts_fit,
+        init_sharded_state,
+        make_mesh,
+        sharded_step,
+        shardings_of,
+        under_mesh,
+    )
 
     first_process = jax.process_index() == 0
     config = _recorded_config(cfg, data)
