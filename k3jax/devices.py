@@ -1,4 +1,5 @@
-"""What the default backend's devices can run: the one place the kernels' hardware gate is written."""
+"""What the default backend's devices can run: the one place the kernels' hardware gate is
+written."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ Everything else leaves through explicit linen collections, never hidden state:
   caller makes them mutable.
 
 The layer stack follows ``k3jax.stack.plan_segments``: one segment (unrolled prefix, one scanned
-group ``scanned_layers``, unrolled suffix) for the plain residual; with Block AttnRes one segment per
-block (scanned groups ``block_{b}_scan``), so the growing tuple of completed blocks is never a scan
-carry (see ``k3jax/layers/attnres.py`` for why that keeps the memory linear in depth).
+group ``scanned_layers``, unrolled suffix) for the plain residual; with Block AttnRes one segment
+per block (scanned groups ``block_{b}_scan``), so the growing tuple of completed blocks is never a
+scan carry (see ``k3jax/layers/attnres.py`` for why that keeps the memory linear in depth).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from k3jax.layers.param import constrain, normal
 from k3jax.layers.residual import initial_state, join_state, make_final_read, settle, split_state
 from k3jax.stack import StackPlan, plan_segments
 
-# The residual stream is split by batch only: the d axis stays whole (its "embed" rule is for weights).
+# The residual stream is split by batch only: the d axis stays whole (its "embed" rule is for
+# weights).
 ACTIVATION_AXES = ("batch", "length", None)
 # Collections that hold one entry per scanned layer group (stacked on axis 0).
 SCANNED_COLLECTIONS = ("params", "balance", "balance_stats", "losses", "diagnostics")
@@ -163,7 +164,8 @@ def _check_tokens(tokens, segment_ids, vocab_size: int) -> None:
 
 
 def init_variables(cfg: ModelConfig, rng: jax.Array, batch_shape: tuple[int, int] = (1, 8)) -> dict:
-    """Plain (unboxed) variables ``{'params': ..., 'balance': ...}`` of a freshly initialised model."""
+    """Plain (unboxed) variables ``{'params': ..., 'balance': ...}`` of a freshly initialised
+    model."""
     tokens = jnp.zeros(batch_shape, jnp.int32)
     variables = K3Model(cfg).init({"params": rng}, tokens)
     return nn.meta.unbox(dict(variables))
@@ -175,7 +177,8 @@ def abstract_variables(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) 
 
 
 def logical_axes(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
-    """The logical axis names of every variable as a tree of ``PartitionSpec`` (nothing allocated)."""
+    """The logical axis names of every variable as a tree of ``PartitionSpec`` (nothing
+    allocated)."""
     tokens = jnp.zeros(batch_shape, jnp.int32)
     boxed = jax.eval_shape(lambda r: K3Model(cfg).init({"params": r}, tokens), jax.random.key(0))
     return nn.get_partition_spec(boxed)

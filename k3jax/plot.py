@@ -4,8 +4,8 @@
 
 Writes PNGs (matplotlib, Agg backend): ``loss.png`` and ``bpb.png`` (train and held-out curves of
 every run), ``maxvio.png`` (MaxVio per MoE layer over training, when the model has MoE) and
-``attnres_depth_RUN.png`` (each run's latest AttnRes depth-attention weights: one row per sub-layer's
-read, one column per source, when the model uses AttnRes).
+``attnres_depth_RUN.png`` (each run's latest AttnRes depth-attention weights: one row per
+sub-layer's read, one column per source, when the model uses AttnRes).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ split into an unrolled prefix, ``n`` repeats of one period of the hybrid schedul
 ``scan``, and an unrolled suffix (:func:`plan_stack`).
 
 The stack is one such range with the plain residual. With Block AttnRes and an even block size
-``S`` (in sub-layers), it is one range per block of ``S / 2`` decoder layers (:func:`plan_segments`):
-the completed blocks grow from block to block, so they cannot be part of a scan's carry; inside a
-block they are a loop-invariant input (see ``k3jax/layers/attnres.py``). With an odd ``S`` a block
-boundary falls between a layer's mixer and its FFN, and every layer runs unrolled.
+``S`` (in sub-layers), it is one range per block of ``S / 2`` decoder layers
+(:func:`plan_segments`): the completed blocks grow from block to block, so they cannot be part of a
+scan's carry; inside a block they are a loop-invariant input (see ``k3jax/layers/attnres.py``). With
+an odd ``S`` a block boundary falls between a layer's mixer and its FFN, and every layer runs
+unrolled.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def plan_stack(cfg: ModelConfig, start: int = 0, stop: int | None = None,
 
 
 def block_layers(cfg: ModelConfig) -> int | None:
-    """Decoder layers per AttnRes block when the stack runs block by block (even ``S``), else None."""
+    """Decoder layers per AttnRes block when the stack runs block by block (even ``S``), else
+    None."""
     s = cfg.residual.block_sublayers
     if cfg.residual.kind == "attnres" and s is not None and s % 2 == 0:
         return s // 2

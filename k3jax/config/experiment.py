@@ -1,8 +1,8 @@
 """The whole experiment as one typed, frozen, validated config, plus ``--set a.b=c`` overrides.
 
 ``ExperimentConfig`` groups the model with data, optimiser, training, checkpoint and evaluation
-settings. A preset file (``configs/k3_tiny.py``) defines ``get_config()``; :func:`load_config` runs it
-and :func:`apply_overrides` applies dotted overrides typed by the dataclass field annotations, so
+settings. A preset file (``configs/k3_tiny.py``) defines ``get_config()``; :func:`load_config` runs
+it and :func:`apply_overrides` applies dotted overrides typed by the dataclass field annotations, so
 ``--set train.steps=500`` parses ``500`` as an int and ``--set model.dtype=fp32`` fails naming the
 key, the value and what is allowed. Every changed dataclass is rebuilt, so its validation reruns.
 """
@@ -32,9 +32,10 @@ TASKS = typing.get_args(Task)
 class DataConfig:
     """Where tokens come from and how batches are cut.
 
-    ``task="corpus"`` trains on a built corpus: ``data_dir`` if given, else one built from ``sources``
-    (empty: the Python standard library of the running interpreter) and cached. Other tasks draw
-    synthetic sequences (``k3jax.data.synthetic``). ``batch_size`` is global per optimiser step.
+    ``task="corpus"`` trains on a built corpus: ``data_dir`` if given, else one built from
+    ``sources`` (empty: the Python standard library of the running interpreter) and cached. Other
+    tasks draw synthetic sequences (``k3jax.data.synthetic``). ``batch_size`` is global per
+    optimiser step.
     """
 
     task: Task = "corpus"

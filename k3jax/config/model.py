@@ -107,7 +107,8 @@ class ResidualConfig:
     """The residual rule: plain pre-norm sum, or Attention Residuals (SPEC 5).
 
     The AttnRes block size may be given in sub-layers (the paper's unit; Full AttnRes is 1) or in
-    decoder layers (K3's config unit, two sub-layers each); ``block_sublayers`` is the resolved value.
+    decoder layers (K3's config unit, two sub-layers each); ``block_sublayers`` is the resolved
+    value.
     """
 
     kind: Literal["plain", "attnres"] = "plain"

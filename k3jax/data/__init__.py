@@ -1,7 +1,8 @@
 """Training data: corpus builder, tokenizers, packed batches and synthetic tasks.
 
 ``python -m k3jax.data build --source PATH... --out DIR`` builds a corpus; :func:`make_data` turns a
-:class:`~k3jax.config.experiment.DataConfig` into a training batch function and a fixed held-out set.
+:class:`~k3jax.config.experiment.DataConfig` into a training batch function and a fixed held-out
+set.
 """
 
 from k3jax.data.batches import LN2, PackedBatches, bits_per_byte, heldout_batches, window_batch

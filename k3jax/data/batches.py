@@ -1,11 +1,11 @@
 """Packed training batches with segment ids, and bits-per-byte accounting.
 
 A batch row is a window of ``seq_len + 1`` consecutive tokens of a split (documents back to back):
-``tokens = w[:-1]``, ``targets = w[1:]``. ``segment_ids`` number the documents inside the row from 1,
-so attention and the KDA state can stop at boundaries; ``weights`` is 0 where the target belongs to
-another document than its input (the first token of a document is never predicted from the previous
-one). Batch ``i`` is a pure function of ``(seed, i)``: an epoch-wise permutation of windows, so the
-data position of a run is just the step and resuming replays nothing.
+``tokens = w[:-1]``, ``targets = w[1:]``. ``segment_ids`` number the documents inside the row from
+1, so attention and the KDA state can stop at boundaries; ``weights`` is 0 where the target belongs
+to another document than its input (the first token of a document is never predicted from the
+previous one). Batch ``i`` is a pure function of ``(seed, i)``: an epoch-wise permutation of
+windows, so the data position of a run is just the step and resuming replays nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def window_batch(split: Split, starts: np.ndarray, seq_len: int,
 
 
 class PackedBatches:
-    """Training batches: batch ``i`` = ``batch_size`` windows from a seeded per-epoch permutation."""
+    """Training batches: batch ``i`` = ``batch_size`` windows from a seeded per-epoch
+    permutation."""
 
     def __init__(self, split: Split, seq_len: int, batch_size: int, seed: int,
                  token_bytes: np.ndarray):

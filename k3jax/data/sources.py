@@ -1,11 +1,12 @@
 """Documents from paths: text files, directories, ``.jsonl`` and ``.xz`` / ``.tar.xz`` archives.
 
-A document is ``(group, name, data)``: ``data`` is raw UTF-8 bytes, ``group`` the unit of the held-out
-split. Files larger than ``max_doc_bytes`` are cut at paragraph breaks into several documents, so a
-corpus of a few huge files (debtext) still has many documents to pack and split. Their pieces are
-grouped into sections of ``SECTION_PIECES`` consecutive pieces: neighbouring pieces land on the same
-side of the split, yet a corpus of a dozen large files can still hold out about the asked fraction
-(with whole files as the unit, 1% of debtext's 12 files would be one whole file, 5-25%).
+A document is ``(group, name, data)``: ``data`` is raw UTF-8 bytes, ``group`` the unit of the
+held-out split. Files larger than ``max_doc_bytes`` are cut at paragraph breaks into several
+documents, so a corpus of a few huge files (debtext) still has many documents to pack and split.
+Their pieces are grouped into sections of ``SECTION_PIECES`` consecutive pieces: neighbouring pieces
+land on the same side of the split, yet a corpus of a dozen large files can still hold out about the
+asked fraction (with whole files as the unit, 1% of debtext's 12 files would be one whole file,
+5-25%).
 """
 
 from __future__ import annotations

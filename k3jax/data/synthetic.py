@@ -2,7 +2,8 @@
 
 Each task draws a batch of ``[B, T]`` ``tokens``/``targets`` with ``weights`` = 1 exactly on the
 answer positions (the loss and the accuracy count only those), ``segment_ids`` all 1 (one document
-per row) and ``nbytes`` = number of answer tokens (bits per byte is not meaningful here; accuracy is).
+per row) and ``nbytes`` = number of answer tokens (bits per byte is not meaningful here; accuracy
+is).
 
 Token layout for a vocabulary of ``V`` ids: 0 pad, 1 separator, 2 push, 3 pop, 4 query (markers),
 content tokens ``8 .. V-1``.

@@ -3,8 +3,8 @@
 State: ``AttnResState(blocks, partial)``. ``blocks`` is a Python tuple of the completed blocks (each
 ``[B, T, d]``, the embedding first); ``partial [B, T, d]`` is the running sum of the current block's
 sub-layer outputs, ``None`` right after a commit. SPEC 5's bookkeeping, with the commit of a block
-done as soon as its last sub-layer has written (equivalent to SPEC 5's commit at the next read, since
-a block's first sub-layer reads the just-closed block as a source either way)::
+done as soon as its last sub-layer has written (equivalent to SPEC 5's commit at the next read,
+since a block's first sub-layer reads the just-closed block as a source either way)::
 
     initial:  blocks = (embedding,); partial = None              # "j = 0 commits the embedding"
     read(j):  h = mix(blocks + (partial,), w_j)                   # no partial at a block start
@@ -23,17 +23,18 @@ read masks the partial sum where ``j % S == 0`` and the write does not commit; t
 :func:`settle` after the scan to commit the block the scan completed.
 
 Memory. Each block array is created once; every later read refers to the same array, and
-:func:`~k3jax.ops.attnres.depth_mix`'s custom VJP saves only its inputs and ``[n, B, T]`` statistics,
-so the backward pass keeps each block once (loop-invariant scan inputs are saved once, not per
-iteration) plus, per sub-layer, what a plain residual keeps (its input ``h`` and the carry
+:func:`~k3jax.ops.attnres.depth_mix`'s custom VJP saves only its inputs and ``[n, B, T]``
+statistics, so the backward pass keeps each block once (loop-invariant scan inputs are saved once,
+not per iteration) plus, per sub-layer, what a plain residual keeps (its input ``h`` and the carry
 ``partial``): AttnRes adds ``O(L_sub + N)`` arrays of ``[B, T, d]``, never ``O(L_sub * N)``
 (measured in tests/test_attnres.py and benchmarks/attnres.py).
 
 Diagnostics (only when the ``diagnostics`` collection is mutable): each sub-layer's rule sows
-``depth_weights [N + 1]`` (``N = ceil(L_sub / S)``), its depth-attention weights averaged over tokens,
-slot ``i`` = block ``i`` (0: the embedding; ``i >= 1``: the ``i``-th block's sum of sub-layer outputs,
-completed or the current partial sum), zero for blocks that do not exist yet; the final read sows
-those of the final aggregation and ``block_rms [N + 1]``, the RMS of each of its sources.
+``depth_weights [N + 1]`` (``N = ceil(L_sub / S)``), its depth-attention weights averaged over
+tokens, slot ``i`` = block ``i`` (0: the embedding; ``i >= 1``: the ``i``-th block's sum of
+sub-layer outputs, completed or the current partial sum), zero for blocks that do not exist yet; the
+final read sows those of the final aggregation and ``block_rms [N + 1]``, the RMS of each of its
+sources.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def join_state(carry: jax.Array, invariant: tuple[jax.Array, ...]) -> AttnResSta
 
 
 class _DepthMix(nn.Module):
-    """Owns one aggregation's parameters: pseudo-query (zero-init) and key-norm weight (one-init)."""
+    """Owns one aggregation's parameters: pseudo-query (zero-init) and key-norm weight
+    (one-init)."""
 
     cfg: ModelConfig
 
@@ -141,7 +143,8 @@ class AttnResidual(_DepthMix):
 
 
 class AttnResFinalRead(_DepthMix):
-    """The final aggregation before the final norm: all completed blocks and the last partial sum."""
+    """The final aggregation before the final norm: all completed blocks and the last partial
+    sum."""
 
     def __call__(self, state: AttnResState) -> jax.Array:
         if _diagnosing(self):
@@ -157,7 +160,8 @@ def _diagnosing(module: nn.Module) -> bool:
 
 
 def _sow(module: nn.Module, name: str, value: jax.Array) -> None:
-    """Store ``value`` as a plain array (each rule is called once per forward, nothing to reduce)."""
+    """Store ``value`` as a plain array (each rule is called once per forward, nothing to
+    reduce)."""
     module.sow("diagnostics", name, jax.lax.stop_gradient(value),
                reduce_fn=lambda _, x: x, init_fn=lambda: None)
 

@@ -1,7 +1,7 @@
 """The Kimi Delta Attention layer (SPEC 3.1): projections, short convs, gate, beta, core op, output.
 
-The core recurrence lives in :mod:`k3jax.ops.kda`; this module only builds its inputs and applies the
-gated head-wise norm and output projection. Shapes follow the FLA layout ``[B, T, H, D]``.
+The core recurrence lives in :mod:`k3jax.ops.kda`; this module only builds its inputs and applies
+the gated head-wise norm and output projection. Shapes follow the FLA layout ``[B, T, H, D]``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class KDACache(NamedTuple):
 
 
 def _a_log_init(gate: str):
-    """Softplus form: ``A_log = log U(1, 16)``; lower-bound form: ``A_log = 0`` (SPEC 3.1 step 4)."""
+    """Softplus form: ``A_log = log U(1, 16)``; lower-bound form: ``A_log = 0`` (SPEC 3.1 step
+    4)."""
     def init(key, shape, dtype=jnp.float32):
         if gate == "softplus":
             return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
@@ -48,7 +49,8 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 
 
 def kda_gate(f: jax.Array, a_log: jax.Array, gate: str, lower_bound: float) -> jax.Array:
-    """Log-decay ``g <= 0`` from the gate pre-activation ``f [B, T, H, K]`` and ``A_log [H]`` (fp32)."""
+    """Log-decay ``g <= 0`` from the gate pre-activation ``f [B, T, H, K]`` and ``A_log [H]``
+    (fp32)."""
     a = jnp.exp(a_log.astype(jnp.float32))[:, None]  # [H, 1]
     f = f.astype(jnp.float32)
     if gate == "softplus":
@@ -117,7 +119,8 @@ class KDALayer(nn.Module):
     # -- sequence path (training, prefill) ---------------------------------------------------
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
                  cache: KDACache | None = None, return_cache: bool = False):
-        """``x [B, T, d]``, ``segment_ids [B, T]`` -> ``y [B, T, d]`` (and the new cache if asked)."""
+        """``x [B, T, d]``, ``segment_ids [B, T]`` -> ``y [B, T, d]`` (and the new cache if
+        asked)."""
         k = self.cfg.kda
         x = x.astype(jnp.dtype(self.cfg.dtype))
         convs = []
@@ -138,7 +141,8 @@ class KDALayer(nn.Module):
 
     # -- one-token decode ----------------------------------------------------------------------
     def decode_step(self, x: jax.Array, cache: KDACache):
-        """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of SPEC 3.4."""
+        """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of SPEC
+        3.4."""
         x = x.astype(jnp.dtype(self.cfg.dtype))
         q, cq = causal_conv_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
         kk, ck = causal_conv_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)

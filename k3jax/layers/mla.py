@@ -169,7 +169,8 @@ class MLALayer(nn.Module):
         return self._output(x, o.astype(x.dtype))
 
     def decode_step(self, x: jax.Array, cache: MLACache):
-        """One token ``x [B, d]`` -> ``(y [B, d], cache)``; appends ``[c | k_rope]`` to the cache."""
+        """One token ``x [B, d]`` -> ``(y [B, d], cache)``; appends ``[c | k_rope]`` to the
+        cache."""
         x = x.astype(jnp.dtype(self.cfg.dtype))[:, None]
         b, s = cache.c.shape[:2]
         pos = jnp.broadcast_to(cache.length, (b, 1))

@@ -10,7 +10,8 @@ from k3jax.layers.param import ones
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """``x * rsqrt(mean(x^2) + eps) * w`` over the last axis; statistics in fp32, result in x.dtype."""
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last axis; statistics in fp32, result in
+    x.dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     if weight is not None:

@@ -7,8 +7,8 @@ when the rule does:
 * ``write(state, out, j) -> state``: fold the sub-layer's output into the state.
 
 ``initial_state(cfg, embedding)`` starts the state and ``FinalRead`` produces the input of the final
-norm. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN ``2i + 1``); it may
-be a traced integer when the stack is scanned.
+norm. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN ``2i + 1``); it
+may be a traced integer when the stack is scanned.
 
 Scans: ``split_state(cfg, state) -> (carry, invariant)`` separates what a scanned layer group
 changes (carried) from what it only reads (broadcast into the scan, kept once for the backward

@@ -1,6 +1,7 @@
 """Attention Residuals: the depth aggregation over earlier sources (SPEC 5).
 
-For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight ``g [d]``::
+For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight ``g
+[d]``::
 
     score_i = w . RMSNorm_g(v_i) = r_i * <v_i, g*w>,   r_i = rsqrt(mean(v_i^2) + eps)   (no 1/sqrt(d))
     alpha   = softmax_i(score)                          per token
@@ -8,19 +9,21 @@ For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a ke
 
 all in fp32, cast back to the sources' dtype once. Three forms live here, side by side:
 
-* :func:`depth_mix_reference` -- the formula on a Python list of sources, plain autodiff: the oracle;
+* :func:`depth_mix_reference` -- the formula on a Python list of sources, plain autodiff: the
+  oracle;
 * :func:`depth_mix` -- the training form on a tuple of completed blocks (each ``[B, T, d]``) plus
   the running partial sum, which may be masked out by a traced flag (a scanned block start). Its
   custom VJP keeps only the inputs -- references to the same block arrays at every read, so a
   stack's reads together keep each block once -- and ``[n, B, T]`` statistics (autodiff of the
   formula would also keep fp32 copies and normalised keys of every source at every read);
-* :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's pseudo-queries
-  batched against the completed blocks (max and log-sum-exp kept), then merged with the in-block
+* :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's
+  pseudo-queries batched against the completed blocks (max and log-sum-exp kept), then merged with the in-block
   partial sum by online softmax.
 
-The drivers :func:`attnres_reference` (SPEC 5's bookkeeping, literally), :func:`full_attnres_reference`
-(every sub-layer output its own source) and :func:`attnres_two_phase` run a whole stack of sub-layer
-functions; the tests hold them against each other and against the model's rule.
+The drivers :func:`attnres_reference` (SPEC 5's bookkeeping, literally),
+:func:`full_attnres_reference` (every sub-layer output its own source) and :func:`attnres_two_phase`
+run a whole stack of sub-layer functions; the tests hold them against each other and against the
+model's rule.
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ def depth_mix(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Arr
     """Aggregate ``blocks`` (and ``partial``): returns ``(h [B, T, d], alpha [n, B, T])``.
 
     ``blocks`` is a tuple of ``[B, T, d]`` arrays, the completed blocks (embedding first), each a
-    source; ``partial [B, T, d]`` (the running sum of the current block) is one more source unless it
-    is ``None`` or ``partial_valid`` is false (a Python or traced bool: a scanned sub-layer at a block
-    start masks the partial sum, which then gets weight exactly 0 and no gradient). ``alpha`` holds
-    the weights in source order (fp32, for diagnostics); ``h`` has the sources' dtype.
+    source; ``partial [B, T, d]`` (the running sum of the current block) is one more source unless
+    it is ``None`` or ``partial_valid`` is false (a Python or traced bool: a scanned sub-layer at a
+    block start masks the partial sum, which then gets weight exactly 0 and no gradient). ``alpha``
+    holds the weights in source order (fp32, for diagnostics); ``h`` has the sources' dtype.
 
     The custom VJP keeps only the inputs themselves (references to the same block arrays for every
     read) and ``[n, B, T]`` statistics: no fp32 copies, no stacked ``[n, B, T, d]`` buffer.
@@ -101,7 +104,8 @@ def _check_mix_args(blocks, partial, w, g) -> None:
 
 
 def _mix_forward(eps, sources, valid, w, g):
-    """``valid`` masks the LAST source (the partial sum) only; every other source is always valid."""
+    """``valid`` masks the LAST source (the partial sum) only; every other source is always
+    valid."""
     u = _query(w, g)
     stats = [_score(v.astype(_F32), u, eps) for v in sources]              # n x ([B, T], [B, T])
     s = jnp.stack([st[0] for st in stats])                                 # [n, B, T]
@@ -133,7 +137,8 @@ def _depth_mix_bwd(eps, res, cts):
     d = sources[-1].shape[-1]
     u = _query(w, g)
     dh = dh.astype(_F32)
-    # d(alpha_i) = <dh, v_i> (+ any cotangent on the returned weights); softmax backward -> d(score).
+    # d(alpha_i) = <dh, v_i> (+ any cotangent on the returned weights); softmax backward ->
+    # d(score).
     ga = jnp.stack([jnp.einsum("btd,btd->bt", dh, v.astype(_F32), precision=_PREC)
                     for v in sources]) + dalpha_out.astype(_F32)          # [n, B, T]
     ds = jnp.where(mask, alpha * (ga - jnp.sum(alpha * ga, axis=0)), 0.0)
@@ -159,8 +164,8 @@ def inter_block(completed: jax.Array, w: jax.Array, g: jax.Array,
                 eps: float) -> tuple[jax.Array, jax.Array]:
     """Phase 1: ``S`` queries ``w, g [S, d]`` against ``completed [n, B, T, d]`` in one pass.
 
-    Returns the normalised partial outputs ``o [S, B, T, d]`` and their log-sum-exp ``lse [S, B, T]``
-    (both fp32), ready to be merged with more sources by :func:`merge_partial`.
+    Returns the normalised partial outputs ``o [S, B, T, d]`` and their log-sum-exp ``lse [S, B,
+    T]`` (both fp32), ready to be merged with more sources by :func:`merge_partial`.
     """
     v = completed.astype(_F32)
     r = _inv_rms(v, eps)                                                   # shared by the queries
@@ -230,11 +235,12 @@ def full_attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], 
 
 def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
                       norms: jax.Array, block: int, eps: float) -> jax.Array:
-    """Block AttnRes computed block by block in the two-phase form; equals :func:`attnres_reference`.
+    """Block AttnRes computed block by block in the two-phase form; equals
+    :func:`attnres_reference`.
 
     Sub-layer ``j = cS + t`` of block ``c`` reads the completed sources (embedding and blocks
-    ``< c``, plus, for ``t = 0``, the block that just closed) merged, for ``t >= 1``, with the block's
-    own partial sum. Phase 1 runs once per block for all of its queries.
+    ``< c``, plus, for ``t = 0``, the block that just closed) merged, for ``t >= 1``, with the
+    block's own partial sum. Phase 1 runs once per block for all of its queries.
     """
     _check_driver(sublayers, queries, norms)
     completed, partial = [embedding], None

@@ -54,7 +54,8 @@ def hist_edges(bias: jax.Array, bins: int) -> tuple[jax.Array, jax.Array]:
 
 
 def margin_histogram(margins: jax.Array, bias: jax.Array, bins: int) -> jax.Array:
-    """Per-expert histogram of ``margins [N, E]`` over :func:`hist_edges`: -> ``[E, bins]`` int32."""
+    """Per-expert histogram of ``margins [N, E]`` over :func:`hist_edges`: -> ``[E, bins]``
+    int32."""
     num_experts = margins.shape[-1]
     low, width = hist_edges(bias.astype(jnp.float32), bins)
     idx = jnp.clip(jnp.floor((margins - low) / width), 0, bins - 1).astype(jnp.int32)
@@ -182,7 +183,8 @@ def exact_quantiles(margins: jax.Array, top_k: int) -> jax.Array:
 
 
 def hist_quantiles(hist: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
-    """Per-expert ``k/E`` quantile from ``hist [E, bins]`` (built over ``hist_edges(bias)``): -> ``[E]``.
+    """Per-expert ``k/E`` quantile from ``hist [E, bins]`` (built over ``hist_edges(bias)``): ->
+    ``[E]``.
 
     The quantile lies in the first bin whose cumulative count reaches ``c = N k / E``, placed inside
     it by linear interpolation; so between ``cum[i-1]`` and ``cum[i]`` margins lie below it.

@@ -9,19 +9,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Added to the sum of the chosen scores before renormalising (SPEC 6), so an all-zero row stays finite.
+# Added to the sum of the chosen scores before renormalising (SPEC 6), so an all-zero row stays
+# finite.
 RENORM_EPS = 1e-20
 
 
 def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
-    """``sigmoid(x W)`` in fp32. ``x`` ``[..., d]``, ``w_router`` ``[d, E]`` -> ``[..., E]`` fp32."""
+    """``sigmoid(x W)`` in fp32. ``x`` ``[..., d]``, ``w_router`` ``[d, E]`` -> ``[..., E]``
+    fp32."""
     logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     return jax.nn.sigmoid(logits)
 
 
 def select_experts(scores: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
-    """The ``top_k`` experts of ``scores + bias`` per token: ``[..., E]``, ``[E]`` -> ids ``[..., k]`` int32.
+    """The ``top_k`` experts of ``scores + bias`` per token: ``[..., E]``, ``[E]`` -> ids ``[...,
+    k]`` int32.
 
     The bias only chooses; it is a balancing state, so no gradient flows into it.
     """
@@ -33,7 +36,8 @@ def select_experts(scores: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
 def gate_weights(scores: jax.Array, ids: jax.Array, routed_scaling_factor: float) -> jax.Array:
     """Renormalised unbiased scores of the chosen experts times ``routed_scaling_factor``.
 
-    ``w = s[ids] / (sum s[ids] + 1e-20) * rsf``. Shapes ``[..., E]``, ``[..., k]`` -> ``[..., k]`` fp32.
+    ``w = s[ids] / (sum s[ids] + 1e-20) * rsf``. Shapes ``[..., E]``, ``[..., k]`` -> ``[..., k]``
+    fp32.
     """
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     return chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + RENORM_EPS) * routed_scaling_factor
@@ -41,7 +45,8 @@ def gate_weights(scores: jax.Array, ids: jax.Array, routed_scaling_factor: float
 
 def route(scores: jax.Array, bias: jax.Array, top_k: int,
           routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
-    """Select with ``scores + bias``, weigh with ``scores``: -> ``(ids [..., k] int32, weights [..., k] fp32)``."""
+    """Select with ``scores + bias``, weigh with ``scores``: -> ``(ids [..., k] int32, weights [...,
+    k] fp32)``."""
     ids = select_experts(scores, bias, top_k)
     return ids, gate_weights(scores, ids, routed_scaling_factor)
 

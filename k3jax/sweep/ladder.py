@@ -1,9 +1,9 @@
 """The model-size ladder: one rule from a size knob to a model config, and each rung's accounting.
 
 Width rule (``knob="width"``, size = ``d_model``): with ``r = size / base d_model``, the KDA and MLA
-head counts become ``r`` times the base's (they must come out whole), head dims stay, and every other
-width -- dense FFN, MLA latent ranks, KDA gate ranks, expert, shared and MoE latent widths -- is
-``r`` times the base's rounded to the ladder's ``multiple``. Depth rule (``knob="depth"``, size =
+head counts become ``r`` times the base's (they must come out whole), head dims stay, and every
+other width -- dense FFN, MLA latent ranks, KDA gate ranks, expert, shared and MoE latent widths --
+is ``r`` times the base's rounded to the ladder's ``multiple``. Depth rule (``knob="depth"``, size =
 ``num_layers``): only the layer count changes, so the hybrid schedule rule (``mla_every``, the last
 layer MLA) and the AttnRes block size carry over. Counts and FLOPs come from
 :mod:`k3jax.accounting`: N is active non-embedding parameters, N_total all parameters.

@@ -19,7 +19,8 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts/tuples of arrays -> ``{"a/b/c": value}`` (scalars as floats, arrays as lists)."""
+    """Nested dicts/tuples of arrays -> ``{"a/b/c": value}`` (scalars as floats, arrays as
+    lists)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = prefix + "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
