@@ -51,8 +51,8 @@ def per_col(vec, shape: tuple[int, int]) -> jax.Array:
 
 
 def store_split(value, parts) -> None:
-    """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` to ~8 significant bits
-    a part (two: ~16 bits, what a split-bf16 tensor-core product needs; three: exact)."""
+    """Write fp32 ``value`` as ``len(parts)`` bf16 parts whose sum is ``value`` to ~8 significant
+    bits a part (two: ~16 bits, what a split-bf16 tensor-core product needs; three: exact)."""
     for i, part_ref in enumerate(parts):
         part = value.astype(BF16)
         part_ref[...] = part
@@ -100,7 +100,8 @@ def finish_together(done) -> None:
 
 def kernel(body, name: str, interpret: bool, *, approx_math: bool = False, **kwargs):
     """``plgpu.kernel`` with Lane semantics; ``approx_math`` lets exp and friends use the fast
-    approximate instructions (``ex2.approx``: ~2 ulp, against the bf16 tolerances of every caller)."""
+    approximate instructions (``ex2.approx``: ~2 ulp, against the bf16 tolerances of every
+    caller)."""
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   approx_math=approx_math)
     return plgpu.kernel(body, kernel_name=name, compiler_params=params,
@@ -112,9 +113,9 @@ def shared_lowering(fn, static_argnames: tuple[str, ...]):
     ``static_argnames`` and ``interpret`` static.
 
     A model calls each kernel once per layer: jitted, every call site with the same shapes shares
-    one lowered Mosaic module instead of lowering and compiling its own copy. In the interpreter (CPU
-    tests) ``fn`` runs as it is: jitted interpreted kernels deadlocked the CPU runtime when earlier
-    interpreted kernels had run in the same process.
+    one lowered Mosaic module instead of lowering and compiling its own copy. In the interpreter
+    (CPU tests) ``fn`` runs as it is: jitted interpreted kernels deadlocked the CPU runtime when
+    earlier interpreted kernels had run in the same process.
     """
     jitted = jax.jit(fn, static_argnames=(*static_argnames, "interpret"))
 

@@ -1,7 +1,7 @@
 """KDA on Hopper: chunked forward and backward with the serial state pass as Mosaic GPU kernels.
 
-``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by the
-chunked form of SPEC 3.3, in three parts:
+``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by
+the chunked form of SPEC 3.3, in three parts:
 
 1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): the gates' chunk cumsum with
    the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma`` and the intra-chunk score matrices
@@ -16,9 +16,10 @@ chunked form of SPEC 3.3, in three parts:
    GPU kernel over all chunks, bf16 operands, fp32 accumulation).
 
 Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains them with the VJPs of part
-1's kernels (each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k, v,
-g, beta, initial_state) gets its gradient. State and accumulation are fp32; the kernels' matmul
-operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are therefore not claimed by :func:`supports` (the caller falls back to the chunked JAX op).
+1's kernels (each intermediate has one consumer, so XLA adds no cotangents), so every input (q, k,
+v, g, beta, initial_state) gets its gradient. State and accumulation are fp32; the kernels' matmul
+operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are therefore not
+claimed by :func:`supports` (the caller falls back to the chunked JAX op).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _bf16(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest fp32."""
+    """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest
+    fp32."""
     o, final, _, _ = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
     return o, final
 

@@ -40,9 +40,9 @@ from pallas_kernels._mgpu import (
 
 
 class SegmentMasks(NamedTuple):
-    """Packed documents, per token ``[B, Tp]`` (shared by the heads; see ``kda_prep``): ``seg`` int32
-    (a segment counter: equal within a segment), ``enter`` / ``leave`` fp32 0/1 (the state entering
-    the chunk reaches the row / the row's key reaches the state leaving the chunk)."""
+    """Packed documents, per token ``[B, Tp]`` (shared by the heads; see ``kda_prep``): ``seg``
+    int32 (a segment counter: equal within a segment), ``enter`` / ``leave`` fp32 0/1 (the state
+    entering the chunk reaches the row / the row's key reaches the state leaving the chunk)."""
 
     seg: jax.Array
     enter: jax.Array
@@ -53,7 +53,8 @@ class SegmentMasks(NamedTuple):
 
 
 def same_segment(masks, bi, tok):
-    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment, or None without masks."""
+    """``[C, C]`` bool: rows ``r`` and ``j`` of the chunk are in one segment, or None without
+    masks."""
     if not masks:
         return None
     seg_ref = masks[0]
@@ -62,8 +63,8 @@ def same_segment(masks, bi, tok):
 
 
 def gate_factors(g_tile, masks, bi, ni):
-    """One channel tile's decay factors (module docstring, "Gates"): ``(into [C, KT], to_end [C, KT],
-    gamma [KT] COL)`` = ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
+    """One channel tile's decay factors (module docstring, "Gates"): ``(into [C, KT], to_end [C,
+    KT], gamma [KT] COL)`` = ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
 
     g_tile: plain SMEM ``[C, KT]`` fp32; ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
     """
@@ -80,7 +81,8 @@ def gate_factors(g_tile, masks, bi, ni):
 
 
 def gated_operands(q_tile, k_tile, factors, scale: float):
-    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``, ``k into``."""
+    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``, ``k
+    into``."""
     into, to_end, _ = factors
     kv = load(k_tile).astype(F32)
     return scale * load(q_tile).astype(F32) * into, kv * to_end, kv * into
@@ -100,9 +102,9 @@ def _last_row_sums(x, sel_s, parts):
 
 def gate_chain(dq, dk, dg, qv, kv, factors, d_products, d_gamma, scale: float, scratch):
     """Add the cotangents of ``(Qg, Kg, Xk)`` (fp32 ``[C, KT]``) and of ``gamma`` (``[KT]`` COL) to
-    ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end`` at
-    ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``qv``, ``kv``: the tile's q and
-    k (fp32 values); ``scratch``: a bf16 ``[C, C]`` tile and two ``[C, KT]`` tiles (see
+    ``dq, dk, dG``: ``d into / dG = into``, ``d to_end / dG = -to_end`` on its row and ``+to_end``
+    at ``G_last`` (the chunk's last row), ``d gamma / dG_last = gamma``. ``qv``, ``kv``: the tile's
+    q and k (fp32 values); ``scratch``: a bf16 ``[C, C]`` tile and two ``[C, KT]`` tiles (see
     :func:`_last_row_sums`)."""
     into, to_end, gamma = factors
     dqg, dkg, dxk = d_products
@@ -138,7 +140,8 @@ def gate_products(q, k, g_cum, scale: float, masks: SegmentMasks | None):
 
 
 def same_segment_reference(masks: SegmentMasks | None, shape):
-    """``[B, 1, Tp, C]`` fp32 0/1: rows ``r`` and ``j`` of a chunk in one segment (ones without masks)."""
+    """``[B, 1, Tp, C]`` fp32 0/1: rows ``r`` and ``j`` of a chunk in one segment (ones without
+    masks)."""
     nb, _, tp, _ = shape
     if masks is None:
         return jnp.ones((nb, 1, tp, CHUNK), F32)

@@ -11,9 +11,9 @@ For each chunk of ``C = 64`` tokens (one head) this forms, from the cumulative l
 the inputs of the serial state kernels (:mod:`pallas_kernels.kda_state_fwd`), in two steps with
 their own VJPs: the gates' chunk cumsum with the gated operands and the score matrices
 (:func:`pallas_kernels.kda_scores.gated_scores`; kernels in :mod:`pallas_kernels.kda_cumsum` and
-:mod:`pallas_kernels.kda_scores`, helpers in :mod:`pallas_kernels.kda_gates`), then the chunk inverse
-with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). :func:`prepare_reference` computes the same
-quantities in plain fp32 JAX from the kernels' references (differentiated by autodiff).
+:mod:`pallas_kernels.kda_scores`, helpers in :mod:`pallas_kernels.kda_gates`), then the chunk
+inverse with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). :func:`prepare_reference` computes the
+same quantities in plain fp32 JAX from the kernels' references (differentiated by autodiff).
 
 Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow (the scores kernels' anchored levels,
@@ -47,8 +47,8 @@ class Prepared(NamedTuple):
     """Per-chunk inputs of the state kernels, head-major ``[B, H, Tp, .]`` (``Tp`` padded to ``C``).
 
     qg, kg, w: ``[B, H, Tp, K]``; u: ``[B, H, Tp, V]`` fp32; aqk: ``[B, H, Tp, C]`` (row ``t`` holds
-    the chunk-local row of ``Aqk``); gamma: ``[B, H, NC, K]`` fp32. ``qg, kg, aqk`` are bf16 from the
-    scores kernels and ``w`` from the solve kernel (the state kernels' operand dtype), fp32 from
+    the chunk-local row of ``Aqk``); gamma: ``[B, H, NC, K]`` fp32. ``qg, kg, aqk`` are bf16 from
+    the scores kernels and ``w`` from the solve kernel (the state kernels' operand dtype), fp32 from
     :func:`prepare_reference`.
     """
 
@@ -72,8 +72,9 @@ def pad_time(x, multiple: int, value=0):
 
 
 def segment_masks(segment_ids, chunk_size: int) -> SegmentMasks | None:
-    """Per-token masks of packed documents, padded to a multiple of ``chunk_size`` (module docstring),
-    or None without ``segment_ids`` (``[B, T]`` integers; a segment starts where the id changes)."""
+    """Per-token masks of packed documents, padded to a multiple of ``chunk_size`` (module
+    docstring), or None without ``segment_ids`` (``[B, T]`` integers; a segment starts where the id
+    changes)."""
     if segment_ids is None:
         return None
     c = chunk_size
@@ -100,10 +101,10 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs, by the kernels.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype. ``T`` is
-    padded to a multiple of ``chunk_size`` (64) with zero keys, values, queries, beta and gates, which
-    leave the state unchanged. The scores kernels take q and k rounded to bf16 (their tensor-core
-    operands; K in {64, 128}); v goes to the solve kernel in bf16 or fp32. ``interpret`` runs the
-    kernels in the CPU interpreter.
+    padded to a multiple of ``chunk_size`` (64) with zero keys, values, queries, beta and gates,
+    which leave the state unchanged. The scores kernels take q and k rounded to bf16 (their
+    tensor-core operands; K in {64, 128}); v goes to the solve kernel in bf16 or fp32. ``interpret``
+    runs the kernels in the CPU interpreter.
     """
     _check_chunk("prepare", chunk_size)
     f32, bf16, pad = jnp.float32, jnp.bfloat16, functools.partial(pad_time, multiple=CHUNK)
@@ -129,7 +130,8 @@ def prepare_reference(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None) 
 
 
 def state_pass_reference(p: Prepared, h0, chunk_size):
-    """The serial part in plain JAX (what the state kernels compute), fp32: ``(o [B,H,Tp,V], final)``.
+    """The serial part in plain JAX (what the state kernels compute), fp32: ``(o [B,H,Tp,V],
+    final)``.
 
     Per chunk with entering state ``S``: ``Vt = U - W S``; ``O = Qg S + Aqk Vt``;
     ``S <- gamma * S + Kg^T Vt``.

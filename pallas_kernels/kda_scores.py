@@ -1,11 +1,12 @@
-"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and gated operands, and their VJP (SPEC 3.3).
+"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and gated operands, and their VJP (SPEC
+3.3).
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk), for ``r >= j`` (0 above the diagonal)::
 
     S[r, j] = sum_c a[r, c] b[j, c] exp(G[r, c] - G[j, c])
 
-with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is ``<= 0``).
-``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
+with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is ``<=
+0``). ``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
 ``a = b = k``; :func:`gated_scores` computes both in one kernel and shares the decay work.
 
 Gates (:mod:`pallas_kernels.kda_gates`): :func:`gated_scores` also returns the other per-token
@@ -21,25 +22,26 @@ Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a sp
 A pair ``r > j`` belongs to exactly one level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row
 blocks: ``r`` in a right block ``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the
 decay factors through the right block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both
-factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level, ``p(x) = (x & ~(2s - 1)) + s``, and one factor
-``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take ``exp(G_x - G_p)``,
+factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level, ``p(x) = (x & ~(2s
+- 1)) + s``, and one factor ``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take
+  ``exp(G_x - G_p)``,
 left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA ``(a E) (b E)^T`` (bf16 operands, fp32
 accumulation) over all 64 x 64 pairs, kept only where ``(r, j)`` are siblings at that level. The
 diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in fp32.
 
 Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``db[j] = sum_r dS[r, j] a[r] exp(G_r - G_j)`` (same anchored levels: ``E (dS_s (b E))`` and
-``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient is
-``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
+``E (dS_s^T (a E))``, ``dS_s`` the cotangent masked to level ``s``'s pairs), the log-decay gradient
+is ``dG = a da - b db`` (elementwise; the diagonal's terms cancel, so they are left out of it).
 
 Bounded chunks (the fast path): when no row of a 32-row block is more than ``BOUND`` nats of decay
-from the block's middle row ``m`` (row 16, counting from 0; every chunk of K3's lower-bound gate, whose 16-token
-spans stay under ``16 * 5 = 80`` nats), the levels below 32 are replaced by one level that factors
-every pair of a 32-row block through ``m``: rows take ``exp(G_r - G_m)``, columns ``exp(G_m - G_j)``,
-each at most ``exp(BOUND)``, so nothing overflows fp32 or bf16 (products of the pairs the mask drops
-may, and are dropped). Two WGMMA levels instead of six. The flag is per (batch, head, chunk)
-(:func:`bounded_chunks`), so a chunk with a steeper gate (softplus form) takes the exact levels
-while its neighbours take the fast path; the same decomposition is FlashKDA's and
+from the block's middle row ``m`` (row 16, counting from 0; every chunk of K3's lower-bound gate,
+whose 16-token spans stay under ``16 * 5 = 80`` nats), the levels below 32 are replaced by one level
+that factors every pair of a 32-row block through ``m``: rows take ``exp(G_r - G_m)``, columns
+``exp(G_m - G_j)``, each at most ``exp(BOUND)``, so nothing overflows fp32 or bf16 (products of the
+pairs the mask drops may, and are dropped). Two WGMMA levels instead of six. The flag is per (batch,
+head, chunk) (:func:`bounded_chunks`), so a chunk with a steeper gate (softplus form) takes the
+exact levels while its neighbours take the fast path; the same decomposition is FlashKDA's and
 jax-linear-attention's bounded path (written here from the algebra).
 
 Anchors: each level needs ``G[p(x)]`` for every row. The top level (one anchor row, 32) and the
@@ -54,9 +56,10 @@ operands' rounding), which is faster than the exact ``exp``.
 
 Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles of 64 (``K`` in
 {64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout into swizzled
-SMEM tiles (a plain row-major tile puts the rows one load touches on the same banks), ``G`` head-major
-into plain SMEM (its anchor rows are read one row at a time, which Mosaic lowers only from untiled
-SMEM); the scaled operands of each level are written to swizzled bf16 SMEM tiles for WGMMA.
+SMEM tiles (a plain row-major tile puts the rows one load touches on the same banks), ``G``
+head-major into plain SMEM (its anchor rows are read one row at a time, which Mosaic lowers only
+from untiled SMEM); the scaled operands of each level are written to swizzled bf16 SMEM tiles for
+WGMMA.
 """
 
 from __future__ import annotations
@@ -120,14 +123,15 @@ def _anchor_matrix(lg):
 
 def _anchors(p_ref, parts):
     """``[C, KT]`` fp32: row ``x`` holds ``G[p(x)]`` (module docstring), as ``P_s G`` on the tensor
-    cores: one nonzero product per entry and bf16 parts that sum to ``G``, so exact to fp32 rounding."""
+    cores: one nonzero product per entry and bf16 parts that sum to ``G``, so exact to fp32
+    rounding."""
     return matmul((CHUNK, KT), *[(p_ref, part) for part in parts])
 
 
 def _fixed_anchors(lg: int, g_ref):
-    """``[C, KT]`` fp32 anchors of a level whose ``lg`` is static (the top level, the bounded level):
-    row ``x`` holds ``G[p(x)]``, a broadcast of one of the ``C / 2^(lg + 1)`` anchor rows of the plain
-    SMEM tile ``g_ref`` (no tensor-core work)."""
+    """``[C, KT]`` fp32 anchors of a level whose ``lg`` is static (the top level, the bounded
+    level): row ``x`` holds ``G[p(x)]``, a broadcast of one of the ``C / 2^(lg + 1)`` anchor rows of
+    the plain SMEM tile ``g_ref`` (no tensor-core work)."""
     span = 2 << lg
     rows = iota((CHUNK, KT), 0)
     anchor = None
@@ -138,9 +142,9 @@ def _fixed_anchors(lg: int, g_ref):
 
 
 def _decays(g, anchor, bounded: bool):
-    """A level's ``(row factor, column factor)``, ``[C, KT]`` fp32, from ``G`` and its anchors' rows:
-    exact level ``E = exp(-|G_x - G_p(x)|)`` for both; bounded level ``exp(G_x - G_p(x))`` and its
-    inverse (module docstring)."""
+    """A level's ``(row factor, column factor)``, ``[C, KT]`` fp32, from ``G`` and its anchors'
+    rows: exact level ``E = exp(-|G_x - G_p(x)|)`` for both; bounded level ``exp(G_x - G_p(x))`` and
+    its inverse (module docstring)."""
     d = g - anchor
     if bounded:
         return jnp.exp(d), jnp.exp(-d)
@@ -161,9 +165,10 @@ TOP, BOUNDED, EXACT = "top", "bounded", "exact"  # the kinds of level (see _by_c
 
 
 def _level_decays(kind: str, lg, g_ref, p_s, parts):
-    """``_decays`` of level ``2^lg`` for one channel tile ``g_ref`` (plain SMEM ``[C, KT]``). The top
-    and bounded levels read their anchors as broadcast rows; the exact levels below the top (``lg``
-    traced) form them as ``P_s G`` from ``G``'s bf16 ``parts`` (``p_s``: SMEM for ``P_s``)."""
+    """``_decays`` of level ``2^lg`` for one channel tile ``g_ref`` (plain SMEM ``[C, KT]``). The
+    top and bounded levels read their anchors as broadcast rows; the exact levels below the top
+    (``lg`` traced) form them as ``P_s G`` from ``G``'s bf16 ``parts`` (``p_s``: SMEM for
+    ``P_s``)."""
     if kind == EXACT:
         p_s[...] = _anchor_matrix(lg)
         plgpu.commit_smem()
@@ -174,11 +179,12 @@ def _level_decays(kind: str, lg, g_ref, p_s, parts):
 
 
 def _scaled_operands(kind: str, er, ec, q_ref, k_ref, kp_ref, kr_ref, qp_ref):
-    """Write one channel tile's WGMMA operands of a level; return the row operands of ``(Aqk, Akk)``.
+    """Write one channel tile's WGMMA operands of a level; return the row operands of ``(Aqk,
+    Akk)``.
 
-    ``k E_col`` goes to ``kp_ref`` (both outputs' column operand) and ``q E_row`` to ``qp_ref``; ``k``
-    as Akk's row operand is ``kp_ref`` itself where both factors are ``E``, else ``k E_row`` in
-    ``kr_ref`` (bounded level). ``q_ref``, ``k_ref``: the tile's SMEM inputs.
+    ``k E_col`` goes to ``kp_ref`` (both outputs' column operand) and ``q E_row`` to ``qp_ref``;
+    ``k`` as Akk's row operand is ``kp_ref`` itself where both factors are ``E``, else ``k E_row``
+    in ``kr_ref`` (bounded level). ``q_ref``, ``k_ref``: the tile's SMEM inputs.
     """
     kvals = load(k_ref).astype(F32)
     kp_ref[...] = (kvals * ec).astype(BF16)
@@ -306,8 +312,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
     ``Qg, Kg, Xk``). Inputs as in :func:`_fwd_call`.
 
     One warpgroup per channel tile (two at K = 128): the tiles are independent given ``dS``, and the
-    kernel is bound by the latency of its dependent WGMMA / exp steps, which a second warpgroup on the
-    SM hides (with one warpgroup, its 160 KB of SMEM leaves room for one CTA per SM).
+    kernel is bound by the latency of its dependent WGMMA / exp steps, which a second warpgroup on
+    the SM hides (with one warpgroup, its 160 KB of SMEM leaves room for one CTA per SM).
     """
     nb, tp, h, dk = q.shape
     no, nh = 2, dk // KT  # outputs (Aqk, Akk), channel tiles
@@ -471,12 +477,12 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
       masks: packed documents (:class:`pallas_kernels.kda_gates.SegmentMasks`), or None.
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
-    Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with the
-    diagonal ``|k_r|^2``), both zero across a segment start; ``qg = scale q exp(G) enter``,
+    Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with
+    the diagonal ``|k_r|^2``), both zero across a segment start; ``qg = scale q exp(G) enter``,
     ``kg = k exp(G_last - G) leave``, ``xk = k exp(G) enter`` (bf16) and ``gamma = exp(G_last)
-    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g``: the backward kernels (scores
-    with the gates' chain rule, then the reverse cumsum) return ``dq, dk`` in the inputs' dtypes and
-    ``dg`` fp32, all in the caller's layout.
+    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g``: the backward kernels
+    (scores with the gates' chain rule, then the reverse cumsum) return ``dq, dk`` in the inputs'
+    dtypes and ``dg`` fp32, all in the caller's layout.
     """
     _check(q, k, g, masks)
     return _gated(q, k, g, masks if masks is not None else (), float(scale), interpret)
@@ -487,7 +493,8 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
 
 def scores_reference(a, b, g_cum):
     """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` per chunk of 64 rows, else 0;
-    plain fp32, pairwise ``[.., C, C, K]`` decays (small inputs only). a, b, g_cum: ``[B, H, Tp, K]``."""
+    plain fp32, pairwise ``[.., C, C, K]`` decays (small inputs only). a, b, g_cum: ``[B, H, Tp,
+    K]``."""
     nb, h, tp, dk = b.shape
     shp = (nb, h, tp // CHUNK, CHUNK, dk)
     a, b, g = (x.astype(F32).reshape(shp) for x in (a, b, g_cum))
@@ -498,7 +505,8 @@ def scores_reference(a, b, g_cum):
 
 
 def gated_scores_reference(q, k, g, *, scale: float, masks: SegmentMasks | None = None) -> GatedScores:
-    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k, g ``[B, Tp, H, K]``."""
+    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k, g ``[B, Tp, H,
+    K]``."""
     qh, kh = (jnp.swapaxes(x.astype(F32), 1, 2) for x in (q, k))
     g_cum = chunk_cumsum_reference(g)  # [B, H, Tp, K]
     same = same_segment_reference(masks, qh.shape)

@@ -1,5 +1,5 @@
-"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (SPEC 3.3),
-formed from KDA's raw pieces.
+"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (SPEC
+3.3), formed from KDA's raw pieces.
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA) the kernel reads ``Akk`` (fp32),
 ``beta`` (fp32), ``xk = k exp(G)`` (``[C, K]``, head-major) and ``v`` (``[C, V]``, in the caller's
@@ -28,8 +28,8 @@ parts; the code here is written from the algebra above.
 
 Why no powers: with nearly parallel keys, ``beta`` near 1 and little decay, ``L^32`` reaches ~1e16
 while ``T`` stays bounded by 1: the product formula ``(I - L)(I + L^2)...(I + L^32)`` then has a
-relative error of ~1e9 even in fp32, ~1e13 in bf16 (``tests/test_pallas_kda.py`` runs that regime). Reference: :func:`wy_reference`
-(a triangular solve and matmuls in fp32).
+relative error of ~1e9 even in fp32, ~1e13 in bf16 (``tests/test_pallas_kda.py`` runs that regime).
+Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def unit_lower_inverse_reference(lower):
 
 
 def wy_reference(akk, beta, xk, v):
-    """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta xk``
-    and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major). Returns
+    """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta
+    xk`` and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major). Returns
     ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32."""
     nb, h, tp, c = akk.shape
     rows = beta.astype(F32)[..., None]
@@ -96,7 +96,8 @@ def wy_reference(akk, beta, xk, v):
 
 
 def _diagonal_blocks_inverse(l_s, s_s):
-    """``[C, 16]`` fp32: row ``i`` holds row ``i mod 16`` of the inverse of ``i``'s diagonal block."""
+    """``[C, 16]`` fp32: row ``i`` holds row ``i mod 16`` of the inverse of ``i``'s diagonal
+    block."""
     tile = (CHUNK, BLOCK)
     rows, cols = iota(tile, 0), iota(tile, 1)
     offset, block = rows & (BLOCK - 1), rows >> 4
@@ -182,7 +183,8 @@ def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):
 
 
 def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
-    """Raw forward kernel: ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``."""
+    """Raw forward kernel: ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V]
+    fp32)``."""
     nb, h, tp, _ = akk.shape
     dk, dv = xk.shape[-1], v.shape[-1]
 
@@ -214,9 +216,9 @@ def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
 
 
 def _operand_grads(at, beta_rows, terms, t_parts, scratch):
-    """Over ``terms`` (``(z_ref, token_major, dout_ref, dz_ref, width)``: ``(xk, W)`` and ``(v, U)``),
-    write ``dz = beta T^T dOut`` tile by tile; returns ``dT = sum dOut (beta z)^T`` ``[C, C]`` and
-    ``sum_c (T^T dOut)[r, c] z[r, c]`` (``[C]``, ROW layout: ``dbeta``'s share) fp32."""
+    """Over ``terms`` (``(z_ref, token_major, dout_ref, dz_ref, width)``: ``(xk, W)`` and ``(v,
+    U)``), write ``dz = beta T^T dOut`` tile by tile; returns ``dT = sum dOut (beta z)^T`` ``[C,
+    C]`` and ``sum_c (T^T dOut)[r, c] z[r, c]`` (``[C]``, ROW layout: ``dbeta``'s share) fp32."""
     (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
     dt = dbeta = None
     for z_ref, token_major, dout_ref, dz_ref, n in terms:

@@ -1,8 +1,9 @@
-"""The serial KDA state pass over chunks, backward: a Mosaic GPU recurrence, then the per-chunk products.
+"""The serial KDA state pass over chunks, backward: a Mosaic GPU recurrence, then the per-chunk
+products.
 
 Reverse-mode of :func:`pallas_kernels.kda_state_fwd.state_fwd` (reference: ``jax.vjp`` of
-:func:`pallas_kernels.kda_prep.state_pass_reference`). With ``S`` the state entering a chunk (saved by
-the forward), ``Vt`` its saved ``U - W S`` and ``dS`` the gradient of the state leaving it:
+:func:`pallas_kernels.kda_prep.state_pass_reference`). With ``S`` the state entering a chunk (saved
+by the forward), ``Vt`` its saved ``U - W S`` and ``dS`` the gradient of the state leaving it:
 
     dVt  = Aqk^T dO + Kg dS            (= dU)
     dS  <- gamma * dS + Qg^T dO - W^T dVt
@@ -111,7 +112,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
 
 
 def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int, interpret: bool = False):
-    """Run the backward state pass: the serial kernel, then :func:`pallas_kernels.kda_state_grads.state_grads`.
+    """Run the backward state pass: the serial kernel, then
+    :func:`pallas_kernels.kda_state_grads.state_grads`.
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  aqk: ``[B, H, Tp, C]`` bf16.  gamma: ``[B, H, NC, K]`` fp32.

@@ -1,16 +1,17 @@
-"""Mosaic GPU kernel: the per-chunk gradients of the state pass's inputs, once the serial part is done.
+"""Mosaic GPU kernel: the per-chunk gradients of the state pass's inputs, once the serial part is
+done.
 
 With ``S`` the state entering a chunk and ``dS`` the gradient of the state leaving it (both saved
 ``[K, V]`` per chunk by the state kernels), ``Vt`` the chunk's ``U - W S`` and ``dVt`` its gradient:
 
     dQg = dO S^T      dAqk = dO Vt^T      dKg = Vt dS^T      dW = -dVt S^T      dgamma = rowsum(S * dS)
 
-(:func:`pallas_kernels.kda_state_bwd.state_bwd` gives the derivation; :func:`chunk_products_reference`
-is the same in plain JAX.) Every chunk is independent: one CTA per ``(chunk, head, batch)`` takes
-the chunk's five tiles by TMA and its two warpgroups split the products, warpgroup 0 the two with
-``dO``, warpgroup 1 the other two and ``dgamma``; bf16 operands, fp32 accumulation, bf16 results
-through swizzled SMEM and TMA (the cotangents of bf16 inputs): one kernel instead of batched XLA
-einsums with fp32 results, slices and converts.
+(:func:`pallas_kernels.kda_state_bwd.state_bwd` gives the derivation;
+:func:`chunk_products_reference` is the same in plain JAX.) Every chunk is independent: one CTA per
+``(chunk, head, batch)`` takes the chunk's five tiles by TMA and its two warpgroups split the
+products, warpgroup 0 the two with ``dO``, warpgroup 1 the other two and ``dgamma``; bf16 operands,
+fp32 accumulation, bf16 results through swizzled SMEM and TMA (the cotangents of bf16 inputs): one
+kernel instead of batched XLA einsums with fp32 results, slices and converts.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ BLOCK_M, BLOCK_N, STAGES = TILE_ROWS, 64, 2
 
 def tiled_glu_reference(gate, up, tile_group, act, dh=None):
     """``act(gate, up)`` (or, given ``dh``, its ``(dgate, dup)``) in fp32, cast to ``gate.dtype``,
-    zero on rows of ``-1`` tiles. ``gate``, ``up``, ``dh`` ``[M, N]``; ``tile_group [M / BLOCK_M]``."""
+    zero on rows of ``-1`` tiles. ``gate``, ``up``, ``dh`` ``[M, N]``; ``tile_group [M /
+    BLOCK_M]``."""
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     real = (jnp.repeat(tile_group, BLOCK_M) >= 0)[:, None]
     if dh is None:
