@@ -2,9 +2,9 @@
 
 One JSON line per variant (residual rule x remat policy) with the compiled step's memory
 (``memory_analysis()``: temporaries, arguments, outputs) and the median step time, then one line per
-remat policy with AttnRes over plain. The step is ``value_and_grad`` of the mean next-token loss with
-respect to all parameters (no optimiser), jitted; the model and its weights are identical apart from
-the residual rule (the AttnRes queries and key-norm weights exist only in the AttnRes model).
+remat policy with AttnRes over plain. The step is ``value_and_grad`` of the mean next-token loss
+with respect to all parameters (no optimiser), jitted; the model and its weights are identical apart
+from the residual rule (the AttnRes queries and key-norm weights exist only in the AttnRes model).
 
     python benchmarks/attnres.py [--preset k3_small] [--batch 1] [--seq 256] [--no-moe]
                                  [--remat none,full] [--block-layers N] [--out results.jsonl]

@@ -35,7 +35,8 @@ PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~79
 
 
 def flops(b, t, h, d, c=64):
-    """As-implemented forward FLOPs (SPEC 3.3): ``6KV + 2K(C+16) + 2CK + 4CV + C^2/3`` per token-head."""
+    """As-implemented forward FLOPs (SPEC 3.3): ``6KV + 2K(C+16) + 2CK + 4CV + C^2/3`` per
+    token-head."""
     per = 6 * d * d + 2 * d * (c + 16) + 2 * c * d + 4 * c * d + c * c / 3
     return b * t * h * per
 
@@ -187,7 +188,8 @@ def main(argv=None):
 
 
 def _run(a, shapes, emit) -> dict:
-    """Every requested measurement, one JSON line each -> ``{(impl, shape): (fwd ms, fwd+bwd ms)}``."""
+    """Every requested measurement, one JSON line each -> ``{(impl, shape): (fwd ms, fwd+bwd
+    ms)}``."""
     dev = jax.devices()[0].device_kind
     results = {}
     if a.breakdown:

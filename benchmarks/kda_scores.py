@@ -2,7 +2,8 @@
 
 The intra-chunk scores kernels (``pallas_kernels/kda_scores.py``) are bound by latency rather than
 by their loads, stores and WGMMAs: to see which part costs what, this times the forward kernel
-(``Aqk`` and ``Akk``) and the backward kernel (with the gates' chain rule) alone at one shape, jitted, median of 5 x 10 calls, for:
+(``Aqk`` and ``Akk``) and the backward kernel (with the gates' chain rule) alone at one shape,
+jitted, median of 5 x 10 calls, for:
 
 - ``kernels``: the kernels as they are (correct results; the benchmark's lower-bound gate makes
   every chunk bounded, so the two-level fast path runs), ``exact_exp``: the same without Mosaic's
@@ -14,8 +15,8 @@ by their loads, stores and WGMMAs: to see which part costs what, this times the 
   flags, as only those levels have them).
 
 One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms", "shape"}`` (or an
-``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints the
-size of each lowered module (the serialized Mosaic GPU kernel dominates it).
+``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints
+the size of each lowered module (the serialized Mosaic GPU kernel dominates it).
 
     PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants kernels,exact_levels,...]
                                                  [--lower-only] [--out FILE]
