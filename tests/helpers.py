@@ -73,7 +73,8 @@ def wait_all(procs, timeout_s: float, while_waiting=None) -> list[str]:
 
 
 def bf16_rounded(x):
-    """``x`` rounded to bf16 and back: inputs both a bf16 kernel and an fp32 reference see exactly."""
+    """``x`` rounded to bf16 and back: inputs both a bf16 kernel and an fp32 reference see
+    exactly."""
     import jax.numpy as jnp
 
     return x.astype(jnp.bfloat16).astype(jnp.float32)

@@ -1,5 +1,5 @@
-"""Attention Residuals (SPEC 5): the op, the rule's bookkeeping, the two-phase form, the model wiring,
-and the memory it adds.
+"""Attention Residuals (SPEC 5): the op, the rule's bookkeeping, the two-phase form, the model
+wiring, and the memory it adds.
 
 Model-level tests use MLA-only dense stacks: the residual rule does not depend on the mixer, and the
 KDA path would dominate CPU compile time. ``num_layers=5`` with block size 4 sub-layers runs block
@@ -295,7 +295,8 @@ def _is_attnres(path) -> bool:
 
 
 def _perturbed(params):
-    """Move every pseudo-query (and key-norm weight) away from its init so the mix is not uniform."""
+    """Move every pseudo-query (and key-norm weight) away from its init so the mix is not
+    uniform."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     out = []
     for i, (path, x) in enumerate(leaves):
@@ -316,11 +317,12 @@ def attnres_setup():
 
 
 def test_zero_queries_give_the_plain_residual_model(attnres_setup):
-    """With w = 0 every mix is the mean of its n sources, which sum to the plain stream x: h = x / n.
-    The pre-norms are scale-invariant except for eps: RMSNorm(x / n) = RMSNorm(x) with eps -> n^2 eps.
-    With eps = 1e-12 and mean(x^2) >= ~1e-4 that shifts rsqrt by < n^2 eps / (2 mean x^2) ~ 1e-7, so
-    FP32_TOL (SPEC 10, same math in another order: h sums the sources in a different order) holds.
-    A boundary counted twice or a missing source changes the direction of h, not only its scale."""
+    """With w = 0 every mix is the mean of its n sources, which sum to the plain stream x: h = x /
+    n. The pre-norms are scale-invariant except for eps: RMSNorm(x / n) = RMSNorm(x) with eps -> n^2
+    eps. With eps = 1e-12 and mean(x^2) >= ~1e-4 that shifts rsqrt by < n^2 eps / (2 mean x^2) ~
+    1e-7, so FP32_TOL (SPEC 10, same math in another order: h sums the sources in a different order)
+    holds. A boundary counted twice or a missing source changes the direction of h, not only its
+    scale."""
     cfg, v = attnres_setup
     plain_cfg = _model_cfg("plain", scan_layers=False)
     plain_params = _drop_attnres(unroll_params(cfg, v["params"]))

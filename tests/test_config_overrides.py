@@ -1,4 +1,5 @@
-"""Dotted ``--set`` overrides: typed by the dataclass fields, errors name the key and close matches."""
+"""Dotted ``--set`` overrides: typed by the dataclass fields, errors name the key and close
+matches."""
 
 import json
 

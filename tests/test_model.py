@@ -1,4 +1,5 @@
-"""Model-level contract: shapes, causality, packing, scan vs unrolled, remat, presets by eval_shape."""
+"""Model-level contract: shapes, causality, packing, scan vs unrolled, remat, presets by
+eval_shape."""
 
 import importlib
 

@@ -25,11 +25,11 @@ def _gate(f, gate):
 
 
 def _inputs(seed, b, h, tp, dk, gate):
-    """bf16 ``q, k`` ``[B, Tp, H, K]`` (unit rows, like KDA's normalised q, k), chunk-local cumulative
-    gates ``[B, H, Tp, K]``. ``gate="mixed"``: the lower-bound gate, except head 0's second chunk
-    (softplus) and head 1's second chunk (-4.9 at every token: 78 nats from a 32-row block's middle
-    row to its first, at the edge of the bounded path, where a factor anchored anywhere else would
-    overflow)."""
+    """bf16 ``q, k`` ``[B, Tp, H, K]`` (unit rows, like KDA's normalised q, k), chunk-local
+    cumulative gates ``[B, H, Tp, K]``. ``gate="mixed"``: the lower-bound gate, except head 0's
+    second chunk (softplus) and head 1's second chunk (-4.9 at every token: 78 nats from a 32-row
+    block's middle row to its first, at the edge of the bounded path, where a factor anchored
+    anywhere else would overflow)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = unit(jax.random.normal(ks[0], (b, tp, h, dk))).astype(jnp.bfloat16)
@@ -45,7 +45,8 @@ def _inputs(seed, b, h, tp, dk, gate):
 
 
 def _masks(seed, b, tp):
-    """Segment masks of random packed documents (a start every ~20 tokens), as ``prepare`` makes them."""
+    """Segment masks of random packed documents (a start every ~20 tokens), as ``prepare`` makes
+    them."""
     seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(seed), 0.05, (b, tp)), axis=1)
     return segment_masks(seg, C)
 
@@ -102,7 +103,8 @@ def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
 @pytest.mark.parametrize("dk", [64, 128])
 def test_kernels_lower_for_cuda(dk):
     """Both kernels (with and without segment masks) pass Mosaic GPU's lowering (layouts, WGMMA
-    operand tiling) for an sm_90 target; the interpreter alone would accept layouts that do not lower."""
+    operand tiling) for an sm_90 target; the interpreter alone would accept layouts that do not
+    lower."""
     bf = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.float32)
     tok = lambda dt: jax.ShapeDtypeStruct((2, 2 * C), dt)  # noqa: E731

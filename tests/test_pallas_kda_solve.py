@@ -1,8 +1,9 @@
-"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta xk``,
-``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU interpreter,
-against a triangular solve and matmuls in fp32: random chunks and the correlated-keys regime where
-inverses built from powers of ``L`` fail; every gradient of the backward kernel against autodiff of
-the reference; bf16 operands; ``kda_pallas`` end to end on correlated keys; lowering for sm_90.
+"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta
+xk``, ``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU
+interpreter, against a triangular solve and matmuls in fp32: random chunks and the correlated-keys
+regime where inverses built from powers of ``L`` fail; every gradient of the backward kernel against
+autodiff of the reference; bf16 operands; ``kda_pallas`` end to end on correlated keys; lowering for
+sm_90.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def _assert_akk_grad_strict(dakk):
 
 @pytest.mark.parametrize("correlated", [False, True])
 def test_inverse_matches_triangular_solve(correlated):
-    """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks, split-bf16
-    merges, within SPEC 10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach 1e16."""
+    """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks,
+    split-bf16 merges, within SPEC 10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach
+    1e16."""
     akk, beta = _akk_and_beta(correlated, 1, 1, 2, seed=0)
     akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
     eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
@@ -85,9 +87,9 @@ def test_inverse_matches_triangular_solve(correlated):
 
 @pytest.mark.parametrize("correlated, b, h", [(False, 2, 2), (True, 1, 2)])
 def test_wy_values_and_gradients_match_reference(correlated, b, h):
-    """``W, U`` (K = 128, V = 64) and the gradients of ``akk``, ``beta``, ``xk``, ``v`` (token-major,
-    several batches and heads) against autodiff of the fp32 reference, FP32_TOL; ``dAkk`` is exactly
-    zero on and above the diagonal."""
+    """``W, U`` (K = 128, V = 64) and the gradients of ``akk``, ``beta``, ``xk``, ``v``
+    (token-major, several batches and heads) against autodiff of the fp32 reference, FP32_TOL;
+    ``dAkk`` is exactly zero on and above the diagonal."""
     args = _case(correlated, b, h, 2, 128, 64, seed=1)
     cts = _cotangents(args[2].shape, args[2].shape[:3] + (64,), seed=1)
     out, grads, ref, ref_grads = _run(args, cts, jnp.float32)
