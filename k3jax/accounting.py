@@ -45,8 +45,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     shapes = abstract_variables(cfg)["params"]
     specs = logical_axes(cfg)["params"]
     sizes = jax.tree.leaves(jax.tree.map(lambda s: int(np.prod(s.shape)), shapes))
-    routed_flags = jax.tree.leaves(jax.tree.map(_is_routed_expert, specs,
-                                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    routed_flags = jax.tree.leaves(jax.tree.map(
+        _is_routed_expert, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
     total = sum(sizes)
     routed = sum(n for n, r in zip(sizes, routed_flags) if r)
     embedding = cfg.vocab_size * cfg.d_model
@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True,
                         help="preset file (configs/k3_small.py) or preset name (k3_small)")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="context for MLA's FLOPs and cache (default: the preset's data.seq_len)")
+                        help="context for MLA's FLOPs and cache "
+                             "(default: the preset's data.seq_len)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
     try:

@@ -92,7 +92,8 @@ def format_table(out: dict) -> str:
     rows = [("eval set", "loss (nats/tok)", "bits/byte", "accuracy", "tokens")]
     for name, r in out["results"].items():
         bpb = f"{r['bpb']:.4f}" if "bpb" in r else "-"
-        rows.append((name, f"{r['loss']:.4f}", bpb, f"{r['accuracy']:.4f}", f"{int(r['tokens']):,}"))
+        rows.append((name, f"{r['loss']:.4f}", bpb, f"{r['accuracy']:.4f}",
+                     f"{int(r['tokens']):,}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"checkpoint step {out['step']} of {out['workdir']}"]
     for j, row in enumerate(rows):

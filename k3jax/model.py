@@ -38,7 +38,8 @@ SCANNED_COLLECTIONS = ("params", "balance", "balance_stats", "losses", "diagnost
 def _remat(cls, policy: str, static_index: bool):
     if policy == "none":
         return cls
-    saveable = None if policy == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    saveable = (None if policy == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     # deterministic (argument 4, counting self) is a Python bool and must stay static; so must the
     # layer index (argument 2) of an unrolled layer, which keeps the residual bookkeeping static.
     return nn.remat(cls, policy=saveable, static_argnums=(2, 4) if static_index else (4,),
@@ -147,7 +148,8 @@ class K3Model(nn.Module):
 
 def _check_tokens(tokens, segment_ids, vocab_size: int) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an integer array [B, T]; got {tokens.dtype}{tokens.shape}")
+        raise ValueError(f"tokens must be an integer array [B, T]; "
+                         f"got {tokens.dtype}{tokens.shape}")
     # jnp.take clamps or fills out-of-range ids (NaN logits) without a word: reject them whenever
     # the values are known (eager calls); under jit they are not, and the data path checks them.
     concrete = not isinstance(tokens, jax.core.Tracer)

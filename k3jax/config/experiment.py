@@ -270,7 +270,8 @@ def _field_type(node: Any, name: str, key: str, root: Any, prefix: str) -> Any:
     if name not in names:
         close = difflib.get_close_matches(key, all_keys(root), n=3, cutoff=0.8)
         close = close or [prefix + k for k in difflib.get_close_matches(name, names, n=3)]
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; known here: {', '.join(names)}"
+        hint = (f"; did you mean {', '.join(close)}?" if close
+                else f"; known here: {', '.join(names)}")
         raise ConfigError(f"--set {key}: unknown key {name!r} in {type(node).__name__}{hint}")
     return typing.get_type_hints(type(node))[name]
 

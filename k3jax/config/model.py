@@ -117,14 +117,15 @@ class ResidualConfig:
 
     def __post_init__(self):
         check_literals(self)
-        s, l = self.block_size_sublayers, self.block_size_layers
-        if s is not None and l is not None and s != 2 * l:
-            fail(self, "block_size_sublayers", s,
-                 f"conflicts with block_size_layers={l} (one decoder layer is two sub-layers)")
+        n_sub, n_layers = self.block_size_sublayers, self.block_size_layers
+        if n_sub is not None and n_layers is not None and n_sub != 2 * n_layers:
+            fail(self, "block_size_sublayers", n_sub,
+                 f"conflicts with block_size_layers={n_layers} "
+                 "(one decoder layer is two sub-layers)")
         for name in ("block_size_sublayers", "block_size_layers"):
             if getattr(self, name) is not None:
                 positive(self, name)
-        if self.kind == "attnres" and s is None and l is None:
+        if self.kind == "attnres" and n_sub is None and n_layers is None:
             fail(self, "block_size_sublayers", None,
                  "attnres needs a block size (block_size_sublayers=1 is Full AttnRes)")
 
@@ -168,7 +169,8 @@ class ModelConfig:
         require(self.rms_eps > 0, self, "rms_eps", "expected > 0")
         require(self.init_std > 0, self, "init_std", "expected > 0")
         if not (0 <= self.first_k_dense <= self.num_layers):
-            fail(self, "first_k_dense", self.first_k_dense, f"expected 0..num_layers={self.num_layers}")
+            fail(self, "first_k_dense", self.first_k_dense,
+                 f"expected 0..num_layers={self.num_layers}")
         if self.mla_layers is not None:
             bad = [i for i in self.mla_layers if not (0 <= i < self.num_layers)]
             if bad:

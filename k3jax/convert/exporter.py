@@ -31,7 +31,8 @@ def export_variables(variables: dict, cfg: ModelConfig, out: str | Path, dtype: 
     ``original_config`` (an imported file's config.json) supplies the token ids."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
-    hf_config = config_to_hf(cfg, original_config)  # fails naming what the layout cannot hold, before any write
+    # fails naming what the layout cannot hold, before any write
+    hf_config = config_to_hf(cfg, original_config)
     entries, places = tensor_map(cfg, "kimi_linear"), layer_places(cfg)
     kinds = {e.name: np.float32 if e.keep_fp32 else DTYPES[dtype] for e in entries}
     sizes = {e.name: int(np.prod(e.shape)) * np.dtype(kinds[e.name]).itemsize for e in entries}

@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("scale", ones((self.axis_name,)), (x.shape[-1],), jnp.dtype(self.param_dtype))
+        w = self.param("scale", ones((self.axis_name,)), (x.shape[-1],),
+                       jnp.dtype(self.param_dtype))
         return rms_norm(x, w, self.eps).astype(jnp.dtype(self.dtype))
 
 

@@ -12,7 +12,8 @@ from k3jax.config.moe import Activation
 ACTIVATIONS = typing.get_args(Activation)
 
 
-def situ_glu(gate: jax.Array, up: jax.Array, beta_gate: float = 4.0, beta_up: float = 25.0) -> jax.Array:
+def situ_glu(gate: jax.Array, up: jax.Array, beta_gate: float = 4.0,
+             beta_up: float = 25.0) -> jax.Array:
     """SiTU-GLU: ``[beta_g tanh(a / beta_g) sigmoid(a)] * [beta_u tanh(b / beta_u)]``.
 
     The soft caps bound both branches, which is what keeps K3's FFN outputs from spiking.

@@ -3,7 +3,8 @@
 For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight ``g
 [d]``::
 
-    score_i = w . RMSNorm_g(v_i) = r_i * <v_i, g*w>,   r_i = rsqrt(mean(v_i^2) + eps)   (no 1/sqrt(d))
+    score_i = w . RMSNorm_g(v_i) = r_i * <v_i, g*w>,   r_i = rsqrt(mean(v_i^2) + eps)
+                                                        (no 1/sqrt(d))
     alpha   = softmax_i(score)                          per token
     h       = sum_i alpha_i v_i                         over the UN-normalised sources
 
@@ -17,8 +18,8 @@ all in fp32, cast back to the sources' dtype once. Three forms live here, side b
   stack's reads together keep each block once -- and ``[n, B, T]`` statistics (autodiff of the
   formula would also keep fp32 copies and normalised keys of every source at every read);
 * :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's
-  pseudo-queries batched against the completed blocks (max and log-sum-exp kept), then merged with the in-block
-  partial sum by online softmax.
+  pseudo-queries batched against the completed blocks (max and log-sum-exp kept), then merged with
+  the in-block partial sum by online softmax.
 
 The drivers :func:`attnres_reference` (SPEC 5's bookkeeping, literally),
 :func:`full_attnres_reference` (every sub-layer output its own source) and :func:`attnres_two_phase`
@@ -94,7 +95,8 @@ def _check_mix_args(blocks, partial, w, g) -> None:
         raise ValueError("depth_mix: expected at least one source (blocks or partial); got none")
     ref = arrays[-1]
     if ref.ndim != 3 or any(a.shape != ref.shape or a.dtype != ref.dtype for a in arrays):
-        raise ValueError(f"depth_mix: expected blocks and partial of one shape [B, T, d] and dtype; "
+        raise ValueError("depth_mix: expected blocks and partial of one shape "
+                         "[B, T, d] and dtype; "
                          f"got blocks {[(a.shape, str(a.dtype)) for a in blocks]}, partial "
                          f"{None if partial is None else (partial.shape, str(partial.dtype))}")
     d = ref.shape[-1]
@@ -200,7 +202,8 @@ SubLayer = Callable[[jax.Array], jax.Array]
 def _check_driver(sublayers, queries, norms) -> None:
     n = len(sublayers) + 1
     if queries.shape[0] != n or norms.shape[0] != n:
-        raise ValueError(f"expected one query and key-norm weight per sub-layer plus the final read "
+        raise ValueError("expected one query and key-norm weight per sub-layer "
+                         "plus the final read "
                          f"({n}); got queries {queries.shape}, norms {norms.shape}")
 
 

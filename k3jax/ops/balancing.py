@@ -238,5 +238,5 @@ def update_balance(balance: dict, stats: dict, cfg) -> dict:
 
 
 __all__ = ["add_stats", "balance_metrics", "compute_stats", "exact_quantiles", "expert_loads",
-           "hist_edges", "hist_quantiles", "margin_histogram", "max_vio", "qb_margins", "reduce_stats",
-           "update_balance", "update_bias", "zero_stats"]
+           "hist_edges", "hist_quantiles", "margin_histogram", "max_vio", "qb_margins",
+           "reduce_stats", "update_balance", "update_bias", "zero_stats"]

@@ -66,7 +66,8 @@ def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     if x.ndim != 2 or x.shape[1] != d:
         raise ValueError(f"dispatch: x must be [N, {d}] (the experts' input width), got {x.shape}")
     if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"dispatch: expert_ids must be [N={x.shape[0]}, k], got {expert_ids.shape}")
+        raise ValueError(f"dispatch: expert_ids must be [N={x.shape[0]}, k], "
+                         f"got {expert_ids.shape}")
     if weights.shape != expert_ids.shape:
         raise ValueError(f"dispatch: weights must match expert_ids {expert_ids.shape}, "
                          f"got {weights.shape}")

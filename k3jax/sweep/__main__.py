@@ -1,8 +1,10 @@
 """``python -m k3jax.sweep {plan,run,report}``.
 
-    plan SPEC [--dir DIR]             print the points (name, N, N_total, D, C, time); trains nothing
-    run SPEC --dir DIR [--executor K] run every unfinished point (again: resumes)
-    report DIR [--compute C] [--out O] results table, fits, plots and a markdown summary (DIR/report)
+    plan SPEC [--dir DIR]              print the points (name, N, N_total, D, C, time);
+                                       trains nothing
+    run SPEC --dir DIR [--executor K]  run every unfinished point (again: resumes)
+    report DIR [--compute C] [--out O] results table, fits, plots and a markdown summary
+                                       (DIR/report)
 """
 
 from __future__ import annotations

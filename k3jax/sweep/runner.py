@@ -60,7 +60,8 @@ def write_plan(plan: Plan, root: Path) -> dict:
         if old["points"] != record["points"] or old["groups"] != record["groups"]:
             changed = sorted({p["name"] for p in old["points"]} ^
                              {p["name"] for p in record["points"]})[:4]
-            raise SweepError(f"{root} holds a different plan (points differ{': ' if changed else ''}"
+            raise SweepError(f"{root} holds a different plan "
+                             f"(points differ{': ' if changed else ''}"
                              f"{', '.join(changed)}); use another --dir or the same sweep file")
         return old
     root.mkdir(parents=True, exist_ok=True)

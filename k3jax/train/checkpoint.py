@@ -127,7 +127,8 @@ class Checkpointer:
                 f"newest good checkpoint: {newest}")
         if self.on_save_error == "stop":
             raise CheckpointSaveError(f"{what}. Stopping (checkpoint.on_save_error=stop)")
-        self.log(f"[checkpoint] error: {what}; training goes on (checkpoint.on_save_error=continue)")
+        self.log(f"[checkpoint] error: {what}; "
+                 "training goes on (checkpoint.on_save_error=continue)")
 
     # -- restoring ---------------------------------------------------------------------------
 

@@ -89,7 +89,8 @@ class MuonState(NamedTuple):
     mu: optax.Updates
 
 
-def _axes(x, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def _axes(x, dims: MuonDimensionNumbers
+          ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(batch, reduction, output) axes of ``x`` under ``dims`` (ints or tuples, may be negative)."""
     red, out = ((a,) if isinstance(a, int) else tuple(a) for a in dims)
     red, out = tuple(a % x.ndim for a in red), tuple(a % x.ndim for a in out)
