@@ -50,12 +50,14 @@ def _bf16(x):
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
     """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest
     fp32."""
-    o, final, _, _ = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
+    o, final, _, _ = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size,
+                                    interpret=interpret)
     return o, final
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, interpret=interpret)
+    o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size,
+                                          interpret=interpret)
     return (o, final), (qg, kg, w, aqk, gamma, states, vt)
 
 
@@ -77,24 +79,29 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
         raise ValueError(f"kda_pallas: q must be [B, T, H, K], got shape {q.shape}")
     b, t, h, dk = q.shape
     if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"kda_pallas: k and g must have q's shape {q.shape}, got {k.shape} and {g.shape}")
+        raise ValueError(f"kda_pallas: k and g must have q's shape {q.shape}, "
+                         f"got {k.shape} and {g.shape}")
     if v.ndim != 4 or v.shape[:3] != (b, t, h):
-        raise ValueError(f"kda_pallas: v must be [B, T, H, V] with B, T, H = {(b, t, h)}, got {v.shape}")
+        raise ValueError(f"kda_pallas: v must be [B, T, H, V] with B, T, H = {(b, t, h)}, "
+                         f"got {v.shape}")
     if beta.shape != (b, t, h):
         raise ValueError(f"kda_pallas: beta must be [B, T, H] = {(b, t, h)}, got {beta.shape}")
     if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
-        raise ValueError(f"kda_pallas: initial_state must be [B, H, K, V] = {(b, h, dk, v.shape[-1])}, "
+        raise ValueError("kda_pallas: initial_state must be [B, H, K, V] = "
+                         f"{(b, h, dk, v.shape[-1])}, "
                          f"got {initial_state.shape}")
     if segment_ids is not None and segment_ids.shape != (b, t):
-        raise ValueError(f"kda_pallas: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+        raise ValueError(f"kda_pallas: segment_ids must be [B, T] = {(b, t)}, "
+                         f"got {segment_ids.shape}")
     if chunk_size != CHUNK:
         raise ValueError(f"kda_pallas: chunk_size must be {CHUNK}, got {chunk_size}")
     if dk not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"kda_pallas: head dims K, V must be in {HEAD_DIMS}, got K={dk}, V={v.shape[-1]}")
+        raise ValueError(f"kda_pallas: head dims K, V must be in {HEAD_DIMS}, "
+                         f"got K={dk}, V={v.shape[-1]}")
 
 
-def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, segment_ids=None,
-               chunk_size=CHUNK, interpret=False):
+def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+               segment_ids=None, chunk_size=CHUNK, interpret=False):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:

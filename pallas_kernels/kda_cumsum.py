@@ -48,7 +48,8 @@ def _chunk_sums(x_s, tri_s, parts, dk):
     for t, ch in enumerate(channels):
         store_split(load(x_s.at[:, ch]), [part.at[t] for part in parts])
     plgpu.commit_smem()
-    return [(ch, matmul((CHUNK, KT), *[(tri_s, part.at[t]) for part in parts])) for t, ch in enumerate(channels)]
+    return [(ch, matmul((CHUNK, KT), *[(tri_s, part.at[t]) for part in parts]))
+            for t, ch in enumerate(channels)]
 
 
 def _triangle(tri_s, upper: bool) -> None:
@@ -88,7 +89,8 @@ def _reverse_call(dg_cum, *, interpret: bool):
         for ch, out in _triangular_sums(x_ref.at[bi, hi, tok], True, dk, scratch):
             o_ref.at[bi, tok, hi, ch][...] = out
 
-    run = kernel(body, "kda_cumsum_bwd", interpret, out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
+    run = kernel(body, "kda_cumsum_bwd", interpret,
+                 out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=_scratch(dk))
     return run(dg_cum)
 
@@ -115,7 +117,8 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
         plgpu.commit_smem()
         for ch in column_tiles(dk):
             factors = gate_factors(x_s.at[:, ch], mask_refs, bi, ni)
-            products = gated_operands(q_ref.at[bi, tok, hi, ch], k_ref.at[bi, tok, hi, ch], factors, scale)
+            products = gated_operands(q_ref.at[bi, tok, hi, ch], k_ref.at[bi, tok, hi, ch],
+                                      factors, scale)
             for ref, x in zip(product_refs, products):
                 ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]

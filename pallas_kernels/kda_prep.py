@@ -79,7 +79,8 @@ def segment_masks(segment_ids, chunk_size: int) -> SegmentMasks | None:
         return None
     c = chunk_size
     seg = segment_ids.astype(jnp.int32)
-    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]],
+                             axis=1)
     starts = pad_time(starts, c, False)
     b, tp = starts.shape
     idx = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # segment counter
@@ -144,7 +145,8 @@ def state_pass_reference(p: Prepared, h0, chunk_size):
     def split(x):  # [B, H, Tp, D] -> [NC, B, H, C, D]
         return jnp.moveaxis(x.reshape(b, h, nc, c, x.shape[-1]), 2, 0)
 
-    xs = (split(p.qg), split(p.kg), split(p.w), split(p.u), split(p.aqk), jnp.moveaxis(p.gamma, 2, 0))
+    xs = (split(p.qg), split(p.kg), split(p.w), split(p.u), split(p.aqk),
+          jnp.moveaxis(p.gamma, 2, 0))
 
     def step(s, x):
         qg, kg, w, u, aqk, gam = x

@@ -254,7 +254,8 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         q_s, k_s, g_s, bp_s, ap_s, bar, p_s, *g_parts = refs
         bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
         tok = pl.ds(ni * CHUNK, CHUNK)
-        for src, dst in ((q_ref.at[bi, tok, hi], q_s), (k_ref.at[bi, tok, hi], k_s), (g_ref.at[bi, hi, tok], g_s)):
+        for src, dst in ((q_ref.at[bi, tok, hi], q_s), (k_ref.at[bi, tok, hi], k_s),
+                         (g_ref.at[bi, hi, tok], g_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
@@ -262,7 +263,8 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         # Diagonal, exact in fp32.
         scores = []
         for x_s in (q_s, k_s):
-            dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(k_s.at[:, ch]).astype(F32), axis=1)
+            dot = sum(jnp.sum(load(x_s.at[:, ch]).astype(F32) * load(k_s.at[:, ch]).astype(F32),
+                              axis=1)
                       for ch in chs)
             scores.append(jnp.where(rows == cols, per_row(dot, (CHUNK, CHUNK)), 0.0))
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
@@ -274,25 +276,29 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         def level(lg, scores, kind):  # the pairs of one anchored level
             row_operands = []  # [tile][output]
             for t, ch in enumerate(chs):
-                er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s, [part.at[t] for part in g_parts])
-                row_operands.append(_scaled_operands(kind, er, ec, q_s.at[:, ch], k_s.at[:, ch], bp_s.at[t],
-                                                     br_s.at[t], ap_s.at[t]))
+                er, ec = _level_decays(kind, lg, g_s.at[:, ch], p_s,
+                                       [part.at[t] for part in g_parts])
+                row_operands.append(_scaled_operands(kind, er, ec, q_s.at[:, ch], k_s.at[:, ch],
+                                                     bp_s.at[t], br_s.at[t], ap_s.at[t]))
             plgpu.commit_smem()
             keep = _pairs(lg, kind == BOUNDED)
-            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK), *[(row_operands[t][o], bp_s.at[t].T)
-                                                                       for t in range(nh)]), 0.0)
+            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK),
+                                                     *[(row_operands[t][o], bp_s.at[t].T)
+                                                       for t in range(nh)]), 0.0)
                          for o, sc in enumerate(scores))
 
         def store(scores):
             same = gates.same_segment(mask_refs, bi, tok)
             for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
                 sc = sc * factor if factor != 1.0 else sc
-                out.at[bi, hi, tok][...] = (sc if same is None else jnp.where(same, sc, 0.0)).astype(out.dtype)
+                out.at[bi, hi, tok][...] = (sc if same is None
+                                            else jnp.where(same, sc, 0.0)).astype(out.dtype)
 
         _by_chunk_kind(flags_ref, level, tuple(scores), store, split_g)
 
     scratch = (
-        tiles((CHUNK, dk)), tiles((CHUNK, dk)), plgpu.SMEM((CHUNK, dk), F32),  # q, k (swizzled), G (plain)
+        # q, k (swizzled), G (plain)
+        tiles((CHUNK, dk)), tiles((CHUNK, dk)), plgpu.SMEM((CHUNK, dk), F32),
         tiles((nh, CHUNK, KT)),  # k times the column factor, per channel tile
         tiles((nh, CHUNK, KT)),  # q times the row factor
         plgpu.Barrier(num_arrivals=3),
@@ -337,7 +343,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         @pl.when(wg == 0)
         def _():
             for t, ch in enumerate(column_tiles(dk)):  # each channel tile to its own buffer
-                for src, dst in ((q_ref.at[bi, tok, hi, ch], q_all), (k_ref.at[bi, tok, hi, ch], k_all),
+                for src, dst in ((q_ref.at[bi, tok, hi, ch], q_all),
+                                 (k_ref.at[bi, tok, hi, ch], k_all),
                                  (g_ref.at[bi, hi, tok, ch], g_all)):
                     plgpu.copy_gmem_to_smem(src, dst.at[t], bar)
             for src, dst in zip(ds_refs, ds_s):
@@ -376,7 +383,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dg = qv * dq + kv * dk_row - kv * db
             # Diagonal (no decay): dS[r, r] k_r and dS[r, r] q_r (or k_r).
             diag = iota((CHUNK, CHUNK), 0) == iota((CHUNK, CHUNK), 1)
-            w_qk, w_kk = (per_row(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT)) for o in range(no))
+            w_qk, w_kk = (per_row(jnp.sum(masked_ds(o, diag), axis=1), (CHUNK, KT))
+                          for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
             factors = gates.gate_factors(g_s, mask_refs, bi, ni)
@@ -393,12 +401,14 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                        lambda: store_split(load(g_s), g_parts))
 
     scratch = (
-        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), plgpu.SMEM((nh, CHUNK, KT), F32),  # q, k; G plain
+        # q, k; G plain
+        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), plgpu.SMEM((nh, CHUNK, KT), F32),
         *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
         tiles((nh, CHUNK, KT)),  # k times the column factor, one per warpgroup
         tiles((nh, CHUNK, KT)),  # q times the row factor
         *(tiles((nh, CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
-        tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
+        # P_s, G's parts
+        tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),
         plgpu.Barrier(num_arrivals=3 * nh + no),
         plgpu.Barrier(num_arrivals=nh),
     )
@@ -440,8 +450,8 @@ def _gated_fwd(q, k, g, masks, scale, interpret):
 
 def _gated_bwd(scale, interpret, res, cts):
     q, k, g_cum, masks, flags = res
-    dq, dk, dg_cum = _bwd_jit(q, k, g_cum, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma, flags,
-                              tuple(masks), scale=scale, interpret=interpret)
+    dq, dk, dg_cum = _bwd_jit(q, k, g_cum, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma,
+                              flags, tuple(masks), scale=scale, interpret=interpret)
     return dq, dk, reverse_cumsum(dg_cum, interpret=interpret), None
 
 
@@ -451,19 +461,22 @@ _gated.defvjp(_gated_fwd, _gated_bwd)
 def _check(q, k, g, masks):
     shape = q.shape
     if len(shape) != 4 or shape[1] % CHUNK or shape[3] not in HEAD_DIMS:
-        raise ValueError(f"gated_scores: q must be [B, Tp, H, K] with Tp a multiple of {CHUNK} and K in "
+        raise ValueError(f"gated_scores: q must be [B, Tp, H, K] with Tp a multiple of {CHUNK} "
+                         "and K in "
                          f"{HEAD_DIMS}, got {shape}")
     for name, x in (("k", k), ("g", g)):
         if x.shape != shape:
             raise ValueError(f"gated_scores: {name} must have q's shape {shape}, got {x.shape}")
     for name, x in (("q", q), ("k", k)):
         if x.dtype != BF16:
-            raise ValueError(f"gated_scores: {name} must be bfloat16 (the tensor cores' operands), got {x.dtype}")
+            raise ValueError(f"gated_scores: {name} must be bfloat16 (the tensor cores' operands), "
+                             f"got {x.dtype}")
     if g.dtype != F32:
         raise ValueError(f"gated_scores: g must be float32, got {g.dtype}")
     for name, x in zip(SegmentMasks._fields, masks or ()):
         if x.shape != shape[:2]:
-            raise ValueError(f"gated_scores: masks.{name} must be [B, Tp] = {shape[:2]}, got {x.shape}")
+            raise ValueError(f"gated_scores: masks.{name} must be [B, Tp] = {shape[:2]}, "
+                             f"got {x.shape}")
 
 
 def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
@@ -471,7 +484,8 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
     """KDA's intra-chunk scores and gated operands per chunk of 64 tokens (module docstring).
 
     Args:
-      q, k: ``[B, Tp, H, K]`` bf16, the caller's layout (``Tp`` a multiple of 64, ``K`` in {64, 128}).
+      q, k: ``[B, Tp, H, K]`` bf16, the caller's layout (``Tp`` a multiple of 64, ``K`` in
+        {64, 128}).
       g: ``[B, Tp, H, K]`` fp32 per-token log-decay (``<= 0``); the kernels take its chunk cumsum.
       scale: the attention scale (multiplies ``Aqk`` and ``Qg``).
       masks: packed documents (:class:`pallas_kernels.kda_gates.SegmentMasks`), or None.
@@ -499,18 +513,21 @@ def scores_reference(a, b, g_cum):
     shp = (nb, h, tp // CHUNK, CHUNK, dk)
     a, b, g = (x.astype(F32).reshape(shp) for x in (a, b, g_cum))
     lower = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
-    diff = jnp.where(lower[:, :, None], g[..., :, None, :] - g[..., None, :, :], 0.0)  # [.., r, j, K]
+    # [.., r, j, K]
+    diff = jnp.where(lower[:, :, None], g[..., :, None, :] - g[..., None, :, :], 0.0)
     s = jnp.sum(a[..., :, None, :] * b[..., None, :, :] * jnp.exp(diff), axis=-1)
     return jnp.where(lower, s, 0.0).reshape(nb, h, tp, CHUNK)
 
 
-def gated_scores_reference(q, k, g, *, scale: float, masks: SegmentMasks | None = None) -> GatedScores:
-    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k, g ``[B, Tp, H,
-    K]``."""
+def gated_scores_reference(q, k, g, *, scale: float,
+                           masks: SegmentMasks | None = None) -> GatedScores:
+    """Plain fp32 :func:`gated_scores` (pairwise decays: small inputs only); q, k, g
+    ``[B, Tp, H, K]``."""
     qh, kh = (jnp.swapaxes(x.astype(F32), 1, 2) for x in (q, k))
     g_cum = chunk_cumsum_reference(g)  # [B, H, Tp, K]
     same = same_segment_reference(masks, qh.shape)
-    return GatedScores(scale * scores_reference(qh, kh, g_cum) * same, scores_reference(kh, kh, g_cum) * same,
+    return GatedScores(scale * scores_reference(qh, kh, g_cum) * same,
+                       scores_reference(kh, kh, g_cum) * same,
                        *gate_products(qh, kh, g_cum, scale, masks))
 
 

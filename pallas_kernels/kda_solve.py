@@ -197,7 +197,8 @@ def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
         t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
         _view(t_ref, at, ALL)[...] = t
         store_split(t, (t_hi, t_lo))
-        for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk), (v_ref, True, u_ref, dv)):
+        for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk),
+                                               (v_ref, True, u_ref, dv)):
             for cols in column_tiles(n):
                 store_split(_scaled_tile(z_ref, at, cols, beta_rows, token_major)[1], (z_hi, z_lo))
                 plgpu.commit_smem()
@@ -311,10 +312,12 @@ def _check_args(akk, beta, xk, v, w_dtype) -> None:
     if beta.shape != (nb, h, tp):
         raise ValueError(f"wy: beta must be [B, H, Tp] = {(nb, h, tp)}, got {beta.shape}")
     if xk.ndim != 4 or xk.shape[:3] != (nb, h, tp) or xk.shape[3] % CHUNK:
-        raise ValueError(f"wy: xk must be [B, H, Tp, K] = {(nb, h, tp)} + (a multiple of {CHUNK},), "
+        raise ValueError(f"wy: xk must be [B, H, Tp, K] = {(nb, h, tp)} "
+                         f"+ (a multiple of {CHUNK},), "
                          f"got {xk.shape}")
     if v.ndim != 4 or v.shape[:3] != (nb, tp, h) or v.shape[3] % CHUNK:
-        raise ValueError(f"wy: v must be token-major [B, Tp, H, V] = {(nb, tp, h)} + (a multiple of "
+        raise ValueError(f"wy: v must be token-major [B, Tp, H, V] = {(nb, tp, h)} "
+                         "+ (a multiple of "
                          f"{CHUNK},), got {v.shape}")
     for name, z in (("akk", akk), ("beta", beta)):
         if not jnp.issubdtype(z.dtype, jnp.floating):

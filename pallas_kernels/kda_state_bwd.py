@@ -52,8 +52,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
     out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
                 sds((b, h, dk, dv), F32))
 
-    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dvt_ref, dst_ref, dh0_ref,
-             qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, dvt_s, du_s, bars):
+    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dvt_ref, dst_ref,
+             dh0_ref, qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, dvt_s, du_s, bars):
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
 
@@ -75,7 +75,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
                 fetch(n - 1, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read dS, dVt
+            # the last chunk's stores have read dS, dVt
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             ds_s[...] = ds.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, dst_ref.at[bi, hi, n, :, cols], commit_group=False)
@@ -86,7 +87,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
             du_s[...] = dvt
             plgpu.commit_smem()
             for src, dst in ((du_s, du_ref), (dvt_s, dvt_ref)):
-                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, pl.ds(n * c, c), cols], commit_group=False)
+                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, pl.ds(n * c, c), cols],
+                                        commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
             kept = ds * decay + read
@@ -111,19 +113,22 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
     return run(qg, kg, w, aqk, gamma, do, dfinal)
 
 
-def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int, interpret: bool = False):
+def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
+              interpret: bool = False):
     """Run the backward state pass: the serial kernel, then
     :func:`pallas_kernels.kda_state_grads.state_grads`.
 
     Args:
-      qg, kg, w: ``[B, H, Tp, K]`` bf16.  aqk: ``[B, H, Tp, C]`` bf16.  gamma: ``[B, H, NC, K]`` fp32.
+      qg, kg, w: ``[B, H, Tp, K]`` bf16.  aqk: ``[B, H, Tp, C]`` bf16.
+      gamma: ``[B, H, NC, K]`` fp32.
       states: ``[B, H, NC, K, V]`` bf16 and vt ``[B, H, Tp, V]`` bf16 from the forward.
-      do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).  dfinal: ``[B, H, K, V]`` fp32.
+      do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).
+      dfinal: ``[B, H, K, V]`` fp32.
 
     Returns:
       ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16, ``dgamma [B, H, NC, K],
       du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
-    du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, chunk_size=chunk_size,
-                                             interpret=interpret)
+    du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
+                                             chunk_size=chunk_size, interpret=interpret)
     return (*state_grads(states, dstates, vt, dvt, do, interpret=interpret), du, dh0)

@@ -54,8 +54,10 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
     nc, bv = tp // c, BLOCK_V
-    out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16), jax.ShapeDtypeStruct((b, h, dk, dv), F32),
-                jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16), jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
+    out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
+                jax.ShapeDtypeStruct((b, h, dk, dv), F32),
+                jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
+                jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, st_ref, vt_ref,
              qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done):
@@ -74,11 +76,13 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
                 slot = lax.rem(n, 2)
                 pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
                 plgpu.barrier_wait(state_in.at[slot])
-                pl.when(n >= 2)(lambda: plgpu.barrier_wait(free.at[slot]))  # chunk n-2's outputs read it
+                # chunk n-2's outputs read it
+                pl.when(n >= 2)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # so have chunk n-2's stores
                 s_s.at[slot][...] = s.astype(BF16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols], commit_group=False)
+                plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols],
+                                        commit_group=False)
                 vt = load(u_s.at[slot]) - matmul((c, bv), (w_s.at[slot], s_s.at[slot]))
                 vt_s.at[slot][...] = vt.astype(BF16)
                 plgpu.commit_smem()
@@ -100,7 +104,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
         def _():  # the outputs, off the state's path: O = Qg S + Aqk Vt
             def fetch(n, slot):
                 tok = pl.ds(n * c, c)
-                copy_all((qg_ref.at[bi, hi, tok], a_ref.at[bi, hi, tok]), (qg_s, a_s), slot, out_in.at[slot])
+                copy_all((qg_ref.at[bi, hi, tok], a_ref.at[bi, hi, tok]), (qg_s, a_s), slot,
+                         out_in.at[slot])
 
             def step(n, carry):
                 slot = lax.rem(n, 2)
@@ -109,7 +114,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
                 plgpu.barrier_wait(ready.at[slot])
                 o = matmul((c, bv), (qg_s.at[slot], s_s.at[slot]), (a_s.at[slot], vt_s.at[slot]))
                 plgpu.barrier_arrive(free.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk n-2's store has read o_s[slot]
+                # chunk n-2's store has read o_s[slot]
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 o_s.at[slot][...] = o.astype(BF16)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_s.at[slot], o_ref.at[bi, pl.ds(n * c, c), hi, cols])

@@ -4,7 +4,8 @@ done.
 With ``S`` the state entering a chunk and ``dS`` the gradient of the state leaving it (both saved
 ``[K, V]`` per chunk by the state kernels), ``Vt`` the chunk's ``U - W S`` and ``dVt`` its gradient:
 
-    dQg = dO S^T      dAqk = dO Vt^T      dKg = Vt dS^T      dW = -dVt S^T      dgamma = rowsum(S * dS)
+    dQg = dO S^T      dAqk = dO Vt^T      dKg = Vt dS^T      dW = -dVt S^T
+    dgamma = rowsum(S * dS)
 
 (:func:`pallas_kernels.kda_state_bwd.state_bwd` gives the derivation;
 :func:`chunk_products_reference` is the same in plain JAX.) Every chunk is independent: one CTA per
@@ -111,7 +112,8 @@ def state_grads(states, dstates, vt, dvt, do, *, interpret: bool = False):
         def _():
             dkg, dw = products(((c, dk), (vt_s, ds_s.T)), ((c, dk), (dvt_s, s_s.T)))
             store(((dkg, dkg_s, dkg_ref), (-dw, dw_s, dw_ref)))
-            dgamma = sum(jnp.sum(load(s_s.at[:, ch]).astype(F32) * load(ds_s.at[:, ch]).astype(F32), axis=1)
+            dgamma = sum(jnp.sum(load(s_s.at[:, ch]).astype(F32) * load(ds_s.at[:, ch]).astype(F32),
+                                 axis=1)
                          for ch in column_tiles(dv))
             dgam_ref.at[bi, hi, ni][...] = dgamma
 
@@ -121,7 +123,8 @@ def state_grads(states, dstates, vt, dvt, do, *, interpret: bool = False):
     scratch = (
         tiles((dk, dv)), tiles((dk, dv)),  # S, dS
         tiles((c, dv)), tiles((c, dv)), tiles((c, dv)),  # Vt, dVt, dO
-        tiles((c, dk)), tiles((c, dk)), tiles((c, dk)), tiles((c, c)),  # dQg, dKg, dW, dAqk (bf16 out)
+        # dQg, dKg, dW, dAqk (bf16 out)
+        tiles((c, dk)), tiles((c, dk)), tiles((c, dk)), tiles((c, c)),
         plgpu.Barrier(num_arrivals=5),
         plgpu.Barrier(num_arrivals=2),
     )
