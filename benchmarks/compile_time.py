@@ -12,7 +12,8 @@ clock. The persistent compilation cache is switched off so every number is a col
 ``step`` is exactly what ``train.py`` jits (``make_train_step`` with ``build_optimizer``), without
 the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py               # k3_small, B=2, T=256
+    # k3_small, B=2, T=256
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048           # the GPU shape
     PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon
     PYTHONPATH=. python benchmarks/compile_time.py --parts grad --set model.kda.impl=chunked

@@ -8,8 +8,8 @@ it), lower-bound gate ``g = -5 sigmoid(f)`` in fp32, ``beta = sigmoid(.)``, no i
 chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls after compilation
 (host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).
 
-    python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla] [--out results.jsonl]
-                             [--breakdown [B,T,H,D]] [--profile DIR]
+    python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla]
+                             [--out results.jsonl] [--breakdown [B,T,H,D]] [--profile DIR]
 
 ``--profile DIR`` writes a ``jax.profiler`` trace of five forward+backward calls of each JAX
 implementation in ``--impls`` at the first shape to ``DIR/NAME`` (``benchmarks/profile_top.py
@@ -129,8 +129,10 @@ def breakdown(args):
     bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=CHUNK))
     bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, o, fin)
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
-    return {"prep_fwd_ms": time_jax(jax.jit(prep), args), "state_fwd_kernel_ms": time_jax(fwd_k, kin),
-            "state_bwd_kernel_ms": time_jax(bwd_k, bin_), "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
+    return {"prep_fwd_ms": time_jax(jax.jit(prep), args),
+            "state_fwd_kernel_ms": time_jax(fwd_k, kin),
+            "state_bwd_kernel_ms": time_jax(bwd_k, bin_),
+            "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
 
 
 def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
@@ -183,7 +185,8 @@ def main(argv=None):
         results = _run(a, shapes, functools.partial(emit, out=out))
     print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
     for shape in shapes:
-        cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-" for n in a.impls.split(",")]
+        cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-"
+                 for n in a.impls.split(",")]
         print(shape, "|", " | ".join(cells))
 
 
@@ -195,9 +198,11 @@ def _run(a, shapes, emit) -> dict:
     if a.breakdown:
         shape = tuple(int(x) for x in a.breakdown.split(","))
         try:
-            emit({"impl": "ours_pallas_parts", "shape": list(shape), **breakdown(make_inputs(*shape))})
+            emit({"impl": "ours_pallas_parts", "shape": list(shape),
+                  **breakdown(make_inputs(*shape))})
         except Exception as e:
-            emit({"impl": "ours_pallas_parts", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
+            emit({"impl": "ours_pallas_parts", "shape": list(shape),
+                  "error": f"{type(e).__name__}: {e}"[:300]})
     for name in a.impls.split(","):
         if a.profile and name in JAX_OPS:
             trace_dir = f"{a.profile}/{name}"
@@ -205,17 +210,20 @@ def _run(a, shapes, emit) -> dict:
                 profile_pair(JAX_OPS[name], make_inputs(*shapes[0]), trace_dir)
                 emit({"impl": name, "shape": list(shapes[0]), "profile": trace_dir})
             except Exception as e:
-                emit({"impl": name, "profile": trace_dir, "error": f"{type(e).__name__}: {e}"[:300]})
+                emit({"impl": name, "profile": trace_dir,
+                      "error": f"{type(e).__name__}: {e}"[:300]})
         for shape in shapes:
             args = make_inputs(*shape)
             try:
                 r = jax_pair(JAX_OPS[name], args) if name in JAX_OPS else fla_pair(args)
                 results[name, shape] = r
             except Exception as e:  # a peer not installed or failing: record why, keep going
-                emit({"impl": name, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
+                emit({"impl": name, "shape": list(shape),
+                      "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
             emit(_record(name, shape, r, dev))
-    for (name, shape), r in results.items():  # each peer's time over ours (below 1: the peer is faster)
+    # each peer's time over ours (below 1: the peer is faster)
+    for (name, shape), r in results.items():
         base = results.get(("ours_pallas", shape))
         if base is not None and name != "ours_pallas":
             emit({"impl": name, "shape": list(shape), "fwd_ratio_vs_ours": round(r[0] / base[0], 3),

@@ -18,7 +18,8 @@ One JSON line per variant and kernel: ``{"variant", "kernel": "fwd"|"bwd", "ms",
 ``error``). On a CPU, ``--lower-only`` only checks that every variant lowers for sm_90 and prints
 the size of each lowered module (the serialized Mosaic GPU kernel dominates it).
 
-    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128] [--variants kernels,exact_levels,...]
+    PYTHONPATH=. python benchmarks/kda_scores.py [--shape 8,4096,16,128]
+                                                 [--variants kernels,exact_levels,...]
                                                  [--lower-only] [--out FILE]
 """
 
@@ -79,11 +80,12 @@ def _swapped(attrs: dict):
 def _kernels():
     """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
     def fwd(q, k, g):
-        return kda_scores._fwd_call(q, k, g, kda_scores.bounded_chunks(g), (), scale=SCALE, interpret=False)
+        return kda_scores._fwd_call(q, k, g, kda_scores.bounded_chunks(g), (), scale=SCALE,
+                                    interpret=False)
 
     def bwd(q, k, g, daqk, dakk, dqg, dkg, dxk, dgamma):
-        return kda_scores._bwd_call(q, k, g, daqk, dakk, (dqg, dkg, dxk), dgamma, kda_scores.bounded_chunks(g),
-                                    (), scale=SCALE, interpret=False)
+        return kda_scores._bwd_call(q, k, g, daqk, dakk, (dqg, dkg, dxk), dgamma,
+                                    kda_scores.bounded_chunks(g), (), scale=SCALE, interpret=False)
 
     return jax.jit(fwd), jax.jit(bwd)
 
@@ -97,8 +99,8 @@ def _inputs(b, t, h, d):
     k = unit(jax.random.normal(ks[1], (b, t, h, d))).astype(jnp.bfloat16)
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[2], (b, h, t // 64, 64, d)))
     g_cum = jnp.cumsum(g, axis=-2).reshape(b, h, t, d)
-    shapes = (((b, h, t, 64), jnp.bfloat16), ((b, h, t, 64), F32), *(((b, h, t, d), jnp.bfloat16),) * 3,
-              ((b, h, t // 64, d), F32))
+    shapes = (((b, h, t, 64), jnp.bfloat16), ((b, h, t, 64), F32),
+              *(((b, h, t, d), jnp.bfloat16),) * 3, ((b, h, t // 64, d), F32))
     cts = tuple(jax.random.normal(key, shp).astype(dt) for key, (shp, dt) in zip(ks[3:], shapes))
     return (q, k, g_cum), cts
 
@@ -125,9 +127,11 @@ def run_variant(name: str, shape, lower_only: bool) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D (T a multiple of 64, D 64 or 128)")
+    p.add_argument("--shape", default="8,4096,16,128",
+                   help="B,T,H,D (T a multiple of 64, D 64 or 128)")
     p.add_argument("--variants", default=",".join(ABLATIONS))
-    p.add_argument("--lower-only", action="store_true", help="check lowering for sm_90 (no GPU needed)")
+    p.add_argument("--lower-only", action="store_true",
+                   help="check lowering for sm_90 (no GPU needed)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = p.parse_args(argv)
     shape = tuple(int(x) for x in a.shape.split(","))
