@@ -25,7 +25,8 @@ def _kda_params(d, h, k, conv, rank, out_gate_rank=None):
 
 
 def _mla_params(d, h, q_lora, kv_lora, nope, rope, v, gate):
-    q = d * h * (nope + rope) if q_lora is None else d * q_lora + q_lora + q_lora * h * (nope + rope)
+    q = (d * h * (nope + rope) if q_lora is None
+         else d * q_lora + q_lora + q_lora * h * (nope + rope))
     kv = d * (kv_lora + rope) + kv_lora + kv_lora * h * (nope + v)
     return q + kv + (d * h * v if gate else 0) + h * v * d
 

@@ -270,7 +270,8 @@ def test_three_sublayers_by_hand_source_lists_of_spec5(block):
 def test_block_size_in_layers_is_twice_in_sublayers_and_the_buffer_counts_blocks():
     k3 = small_config(num_layers=93, residual=ResidualConfig(kind="attnres", block_size_layers=12))
     assert k3.residual.block_sublayers == 24
-    assert num_block_slots(k3) == 8          # ceil(186 / 24): embedding + 7 blocks + partial = 9 sources
+    # ceil(186 / 24): embedding + 7 blocks + partial = 9 sources
+    assert num_block_slots(k3) == 8
 
 
 # -- the model ------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def test_aux_free_sign_rule_and_passive_rules():
     bias = jnp.array([0.1, 0.0, -0.1, 0.0])
     stats = {"load": jnp.array([3, 1, 2, 2])}               # mean 2
     cfg = MoEConfig(num_experts=4, top_k=2, balancing="aux_free", aux_free_gamma=1e-3)
-    np.testing.assert_allclose(bal.update_bias(bias, stats, cfg), bias + 1e-3 * jnp.array([-1, 1, 0, 0]))
+    np.testing.assert_allclose(bal.update_bias(bias, stats, cfg),
+                               bias + 1e-3 * jnp.array([-1, 1, 0, 0]))
     for rule in ("aux_loss", "none"):
         cfg = MoEConfig(num_experts=4, top_k=2, balancing=rule)
         np.testing.assert_array_equal(bal.update_bias(bias, stats, cfg), bias)
@@ -171,7 +172,8 @@ def test_update_balance_pairs_bias_and_stats_by_path_with_layer_axis():
     for i in range(2):
         np.testing.assert_allclose(new["stack"]["moe"]["bias"][i],
                                    bal.update_bias(biases[i], per_layer[i], cfg), atol=1e-7)
-    np.testing.assert_allclose(new["last"]["moe"]["bias"], new["stack"]["moe"]["bias"][1], atol=1e-7)
+    np.testing.assert_allclose(new["last"]["moe"]["bias"], new["stack"]["moe"]["bias"][1],
+                               atol=1e-7)
     # Whole collections add leaf by leaf (two micro-batches of the same tokens: twice the counts).
     twice = bal.add_stats(stats, stats)
     np.testing.assert_array_equal(twice["stack"]["moe"]["bias"]["hist"],

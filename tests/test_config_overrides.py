@@ -55,7 +55,8 @@ def test_json_round_trip_and_preset_loading(tmp_path):
     assert from_dict(ExperimentConfig, json.loads(json.dumps(cfg.to_dict()))) == cfg
     preset = tmp_path / "p.py"
     preset.write_text("from k3jax.config.experiment import ExperimentConfig, TrainConfig\n"
-                      "def get_config():\n    return ExperimentConfig(train=TrainConfig(steps=7))\n")
+                      "def get_config():\n"
+                      "    return ExperimentConfig(train=TrainConfig(steps=7))\n")
     assert load_config(preset).train.steps == 7
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.py")

@@ -19,7 +19,8 @@ from k3jax.data import (
 from k3jax.data.__main__ import main as data_main
 from k3jax.data.synthetic import TASKS, make_batch
 
-TEXTS = {f"doc{i}.txt": (f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i + 3)
+TEXTS = {f"doc{i}.txt": (f"Document {i}: "
+                         + "the quick brown fox jumps over the lazy dog. " * (i + 3)
                          + "caf\u00e9 \u65e5\u672c\n") for i in range(12)}
 
 

@@ -46,11 +46,11 @@ def _check_all(args, seg, do, dfin, inputs=_bf16):
     dtype and every gradient in its argument's."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
-    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale, initial_state=h0,
-                                                     segment_ids=seg)
-    ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta, scale=scale,
-                                                  initial_state=h0, segment_ids=seg, output_final_state=True,
-                                                  interpret=True)
+    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale,
+                                                     initial_state=h0, segment_ids=seg)
+    ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta,
+                                                  scale=scale, initial_state=h0, segment_ids=seg,
+                                                  output_final_state=True, interpret=True)
     (ro, rf), (o, f) = ref(*args), ker(*args)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
@@ -102,7 +102,8 @@ def test_state_kernels_match_plain_jax(dv):
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one and two
     value tiles."""
-    args, _, _ = kda_bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")  # five chunks: both slots reused
+    # five chunks: both slots reused
+    args, _, _ = kda_bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
     p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
     p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
                    aqk=bf16_rounded(p.aqk))
@@ -115,9 +116,9 @@ def test_state_kernels_match_plain_jax(dv):
                              chunk_size=64, interpret=True)
     assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
-    dqg, dkg, dw, da, dgam, du, dh0 = state_bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma,
-                                                st, vt, _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64,
-                                                interpret=True)
+    dqg, dkg, dw, da, dgam, du, dh0 = state_bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk),
+                                                p.gamma, st, vt, _bf16(jnp.swapaxes(do, 1, 2)),
+                                                dfin, chunk_size=64, interpret=True)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
     for r, x in pairs:
@@ -132,7 +133,8 @@ def test_state_grads_kernel_matches_its_products(dk, dv):
     same sums in another order)."""
     b, h, nc, c = 2, 2, 3, 64
     keys = jax.random.split(jax.random.PRNGKey(7), 5)
-    shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv), (b, nc * c, h, dv))
+    shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv),
+              (b, nc * c, h, dv))
     ins = [jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
     got = state_grads(*ins, interpret=True)
     want = chunk_products_reference(*ins)
@@ -155,7 +157,8 @@ def test_state_kernels_lower_for_cuda():
     jax.jit(lambda *a: state_fwd(*a, chunk_size=c)).trace(*fwd_in).lower(
         lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
-              sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf), sd((b, h, d, d), f32))
+              sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf),
+              sd((b, h, d, d), f32))
     jax.jit(lambda *a: state_bwd(*a, chunk_size=c)).trace(*bwd_in).lower(
         lowering_platforms=("cuda",))
 
@@ -196,8 +199,8 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     """K = V = 128: two value tiles per head (the backward sums their partial products)."""
     args, do, dfin = kda_bf16_case(5, 1, 64, 1, 128, 128, "lower_bound")
     ref = kda_reference(*args[:5], scale=128**-0.5, initial_state=args[5])
-    o, f = kda_pallas(*(_bf16(x) for x in args[:3]), *args[3:5], scale=128**-0.5, initial_state=args[5],
-                      output_final_state=True, interpret=True)
+    o, f = kda_pallas(*(_bf16(x) for x in args[:3]), *args[3:5], scale=128**-0.5,
+                      initial_state=args[5], output_final_state=True, interpret=True)
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
 
 

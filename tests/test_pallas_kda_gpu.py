@@ -53,7 +53,8 @@ def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16):
     assert rel_rms(rf, f) <= BF16_OUT_TOL, rel_rms(rf, f)
     for n, a, x in zip(NAMES, args, kg):
         assert x.dtype == a.dtype, n
-        assert errs[n] <= (BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL), (n, errs[n])
+        bound = BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert errs[n] <= bound, (n, errs[n])
 
 
 @pytest.mark.parametrize("d,t,gate,segments", [
@@ -62,10 +63,10 @@ def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16):
     (64, 777, "lower_bound", True)])
 def test_values_and_gradients_on_gpu(d, t, gate, segments):
     args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
-    seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1) if segments
-           else None)
-    assert supports(_bf16(args[0]), _bf16(args[1]), _bf16(args[2]), args[3], args[4], initial_state=args[5],
-                    segment_ids=seg)
+    seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1)
+           if segments else None)
+    assert supports(_bf16(args[0]), _bf16(args[1]), _bf16(args[2]), args[3], args[4],
+                    initial_state=args[5], segment_ids=seg)
     _check_on_gpu((d, t, gate, segments), args, do, dfin, seg)
 
 
@@ -80,7 +81,8 @@ def test_repeatable_on_gpu():
     """Two runs on the same inputs agree bit for bit (a race would move the result)."""
     args, _, _ = kda_bf16_case(3, 1, 4096, 8, 128, 128, "lower_bound")
     fn = jax.jit(lambda q, k, v, g, beta: kda_pallas(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
-                                                     v.astype(jnp.bfloat16), g, beta, scale=128**-0.5)[0])
+                                                     v.astype(jnp.bfloat16), g, beta,
+                                                     scale=128**-0.5)[0])
     a, b = fn(*args[:5]), fn(*args[:5])
     assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
     assert bool(jnp.array_equal(a, b))

@@ -21,7 +21,8 @@ from pallas_kernels.kda_scores import gated_scores, gated_scores_reference
 
 
 def _gate(f, gate):
-    return -5.0 * jax.nn.sigmoid(f) if gate == "lower_bound" else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)
+    return (-5.0 * jax.nn.sigmoid(f) if gate == "lower_bound"
+            else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f))
 
 
 def _inputs(seed, b, h, tp, dk, gate):
@@ -65,7 +66,8 @@ def _check_gated(q, k, g, masks, seed):
     for name, x, y in zip(r._fields, r, out):
         assert x.shape == y.shape, (name, x.shape, y.shape)
         assert rel_rms(x, y) <= BF16_OUT_TOL, (name, rel_rms(x, y))
-    assert out.aqk.dtype == jnp.bfloat16 and out.akk.dtype == jnp.float32 and out.qg.dtype == jnp.bfloat16
+    assert out.aqk.dtype == jnp.bfloat16 and out.akk.dtype == jnp.float32
+    assert out.qg.dtype == jnp.bfloat16
     upper = np.triu(np.ones((C, C), bool), 1)
     assert np.all(np.asarray(out.aqk, np.float32).reshape(-1, C, C)[:, upper] == 0.0)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(out))
@@ -110,7 +112,8 @@ def test_kernels_lower_for_cuda(dk):
     tok = lambda dt: jax.ShapeDtypeStruct((2, 2 * C), dt)  # noqa: E731
     for masks in (None, SegmentMasks(tok(jnp.int32), tok(jnp.float32), tok(jnp.float32))):
         def fwd_bwd(q, k, g, masks):
-            out, vjp = jax.vjp(lambda q, k, g: gated_scores(q, k, g, scale=0.1, masks=masks), q, k, g)
+            out, vjp = jax.vjp(lambda q, k, g: gated_scores(q, k, g, scale=0.1, masks=masks),
+                               q, k, g)
             return vjp(out)
         jax.jit(fwd_bwd).trace(bf, bf, g, masks).lower(lowering_platforms=("cuda",))
 
@@ -132,5 +135,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="q must be bfloat16"):
         gated_scores(q.astype(jnp.float32), q, g, scale=1.0)
     with pytest.raises(ValueError, match="masks.enter must be"):
-        gated_scores(q, q, g, scale=1.0, masks=SegmentMasks(jnp.zeros((1, C), jnp.int32), jnp.zeros((1, 3)),
-                                                            jnp.zeros((1, C))))
+        gated_scores(q, q, g, scale=1.0,
+                     masks=SegmentMasks(jnp.zeros((1, C), jnp.int32), jnp.zeros((1, 3)),
+                                        jnp.zeros((1, C))))

@@ -34,7 +34,8 @@ def _akk_and_beta(correlated: bool, b: int, h: int, n: int, seed: int):
     akk = np.where(STRICT, k @ np.swapaxes(k, -1, -2), rng.normal(size=(b, h, n, CHUNK, CHUNK)))
     logits = np.full((b, h, n * CHUNK), 4.6) if correlated else rng.normal(size=(b, h, n * CHUNK))
     beta = 1 / (1 + np.exp(-logits))  # 0.99 where correlated
-    return jnp.asarray(akk.reshape(b, h, n * CHUNK, CHUNK), jnp.float32), jnp.asarray(beta, jnp.float32)
+    return (jnp.asarray(akk.reshape(b, h, n * CHUNK, CHUNK), jnp.float32),
+            jnp.asarray(beta, jnp.float32))
 
 
 def _case(correlated: bool, b: int, h: int, n: int, dk: int, dv: int, seed: int):

@@ -176,4 +176,5 @@ def test_micro_batches_equal_one_full_batch(balancing):
     for part in ("params", "balance"):
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one[part]),
                                 jax.tree.leaves(two[part])):
-            assert rel_rms(np.asarray(a), np.asarray(b)) < FP32_TOL, (part, jax.tree_util.keystr(path))
+            assert rel_rms(np.asarray(a), np.asarray(b)) < FP32_TOL, (
+                part, jax.tree_util.keystr(path))

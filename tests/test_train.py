@@ -225,7 +225,8 @@ def test_nonfinite_run_stops_naming_step_and_checkpoint(tmp_path):
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=2, log=lambda m: None)
     ckpt.save(8, {"x": np.zeros(3)}, {"config": {}, "step": 8})
     metrics = {"finite": np.bool_(False), "bad_steps": np.int32(5)}
-    with pytest.raises(NonFiniteError, match=r"step 12: 5 non-finite steps in a row.*checkpoints/8"):
+    with pytest.raises(NonFiniteError,
+                       match=r"step 12: 5 non-finite steps in a row.*checkpoints/8"):
         _check_finite((12, metrics), 5, ckpt)
     _check_finite((12, {**metrics, "bad_steps": np.int32(4)}), 5, ckpt)  # not yet
     ckpt.close()
