@@ -12,8 +12,9 @@ chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls 
                              [--out results.jsonl] [--breakdown [B,T,H,D]] [--profile DIR]
 
 ``--profile DIR`` writes a ``jax.profiler`` trace of five forward+backward calls of each JAX
-implementation in ``--impls`` at the first shape to ``DIR/NAME`` (``benchmarks/profile_top.py
-DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take the time.
+implementation in ``--impls`` at the first shape to ``DIR/NAME``
+(``benchmarks/profile_top.py DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take
+the time.
 """
 
 from __future__ import annotations
@@ -191,8 +192,8 @@ def main(argv=None):
 
 
 def _run(a, shapes, emit) -> dict:
-    """Every requested measurement, one JSON line each -> ``{(impl, shape): (fwd ms, fwd+bwd
-    ms)}``."""
+    """Every requested measurement, one JSON line each ->
+    ``{(impl, shape): (fwd ms, fwd+bwd ms)}``."""
     dev = jax.devices()[0].device_kind
     results = {}
     if a.breakdown:

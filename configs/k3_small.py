@@ -26,9 +26,10 @@ def get_config():
     """One-GPU experiment: a byte-level BPE of the model's vocabulary, Muon + WSD.
 
     The corpus is yours: ``--set data.sources=FILES_OR_DIRS`` (built and cached on first use) or
-    ``--set data.data_dir=DIR`` (built with ``python -m k3jax.data build ... --tokenizer bpe
-    --vocab 16384``). Without either the run trains on the Python standard library, with a note
-    saying so: it runs anywhere, but it is a small corpus of code, not English.
+    ``--set data.data_dir=DIR`` (built with
+    ``python -m k3jax.data build ... --tokenizer bpe --vocab 16384``). Without either the run trains
+    on the Python standard library, with a note saying so: it runs anywhere, but it is a small
+    corpus of code, not English.
     """
     from k3jax.config.experiment import (
         CheckpointConfig,

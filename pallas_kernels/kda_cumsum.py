@@ -80,8 +80,8 @@ def _scratch(dk):
 
 
 def _reverse_call(dg_cum, *, interpret: bool):
-    """``Tri^T @ dG`` per chunk (``Tri^T`` the upper ones matrix): ``[B, H, Tp, K]`` -> ``[B, Tp, H,
-    K]``, fp32."""
+    """``Tri^T @ dG`` per chunk (``Tri^T`` the upper ones matrix): ``[B, H, Tp, K]`` ->
+    ``[B, Tp, H, K]``, fp32."""
     nb, h, tp, dk = dg_cum.shape
 
     def body(x_ref, o_ref, *scratch):
@@ -99,8 +99,8 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     """The cumsum that also writes the gated operands (:mod:`pallas_kernels.kda_gates`) while it
     holds ``G``: ``(G [B, H, Tp, K] fp32, Qg, Kg, Xk [B, H, Tp, K] bf16, gamma [B, H, NC, K] fp32)``
     from ``g [B, Tp, H, K]`` fp32 and ``q, k [B, Tp, H, K]`` bf16 (read GMEM -> registers, once
-    each, so the kernel's SMEM stays that of the plain cumsum); ``masks``: ``()`` or ``(seg, enter,
-    leave)``."""
+    each, so the kernel's SMEM stays that of the plain cumsum); ``masks``: ``()`` or
+    ``(seg, enter, leave)``."""
     nb, tp, h, dk = g.shape
     heads_major = lambda dt: jax.ShapeDtypeStruct((nb, h, tp, dk), dt)  # noqa: E731
     out_type = (heads_major(F32), *(heads_major(BF16) for _ in range(3)),

@@ -63,8 +63,9 @@ def same_segment(masks, bi, tok):
 
 
 def gate_factors(g_tile, masks, bi, ni):
-    """One channel tile's decay factors (module docstring, "Gates"): ``(into [C, KT], to_end [C,
-    KT], gamma [KT] COL)`` = ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
+    """One channel tile's decay factors (module docstring, "Gates"):
+    ``(into [C, KT], to_end [C, KT], gamma [KT] COL)`` =
+    ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
 
     g_tile: plain SMEM ``[C, KT]`` fp32; ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
     """
@@ -81,8 +82,8 @@ def gate_factors(g_tile, masks, bi, ni):
 
 
 def gated_operands(q_tile, k_tile, factors, scale: float):
-    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``, ``k
-    into``."""
+    """``(Qg, Kg, Xk)`` of one channel tile, fp32 ``[C, KT]``: ``scale q into``, ``k to_end``,
+    ``k into``."""
     into, to_end, _ = factors
     kv = load(k_tile).astype(F32)
     return scale * load(q_tile).astype(F32) * into, kv * to_end, kv * into

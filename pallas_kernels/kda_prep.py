@@ -131,8 +131,8 @@ def prepare_reference(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None) 
 
 
 def state_pass_reference(p: Prepared, h0, chunk_size):
-    """The serial part in plain JAX (what the state kernels compute), fp32: ``(o [B,H,Tp,V],
-    final)``.
+    """The serial part in plain JAX (what the state kernels compute), fp32:
+    ``(o [B,H,Tp,V], final)``.
 
     Per chunk with entering state ``S``: ``Vt = U - W S``; ``O = Qg S + Aqk Vt``;
     ``S <- gamma * S + Kg^T Vt``.

@@ -5,9 +5,9 @@ Per chunk of ``C = 64`` rows (one batch, head, chunk), for ``r >= j`` (0 above t
 
     S[r, j] = sum_c a[r, c] b[j, c] exp(G[r, c] - G[j, c])
 
-with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is ``<=
-0``). ``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S`` for
-``a = b = k``; :func:`gated_scores` computes both in one kernel and shares the decay work.
+with ``G`` the chunk-local cumulative log-decay (non-increasing down a chunk: every gate is
+``<= 0``). ``Aqk`` is ``scale S`` for ``a = q, b = k`` and the strict lower part of ``Akk`` is ``S``
+for ``a = b = k``; :func:`gated_scores` computes both in one kernel and shares the decay work.
 
 Gates (:mod:`pallas_kernels.kda_gates`): :func:`gated_scores` also returns the other per-token
 operands of the chunked form, ``Qg``, ``Kg``, ``Xk`` and ``gamma``, which the gates' cumsum kernel
@@ -22,12 +22,12 @@ Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a sp
 A pair ``r > j`` belongs to exactly one level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row
 blocks: ``r`` in a right block ``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the
 decay factors through the right block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both
-factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level, ``p(x) = (x & ~(2s
-- 1)) + s``, and one factor ``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take
-  ``exp(G_x - G_p)``,
-left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA ``(a E) (b E)^T`` (bf16 operands, fp32
-accumulation) over all 64 x 64 pairs, kept only where ``(r, j)`` are siblings at that level. The
-diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in fp32.
+factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level,
+``p(x) = (x & ~(2s - 1)) + s``, and one factor ``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides
+(right-block rows take ``exp(G_x - G_p)``, left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA
+``(a E) (b E)^T`` (bf16 operands, fp32 accumulation) over all 64 x 64 pairs, kept only where
+``(r, j)`` are siblings at that level. The diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in
+fp32.
 
 Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``db[j] = sum_r dS[r, j] a[r] exp(G_r - G_j)`` (same anchored levels: ``E (dS_s (b E))`` and
@@ -179,8 +179,8 @@ def _level_decays(kind: str, lg, g_ref, p_s, parts):
 
 
 def _scaled_operands(kind: str, er, ec, q_ref, k_ref, kp_ref, kr_ref, qp_ref):
-    """Write one channel tile's WGMMA operands of a level; return the row operands of ``(Aqk,
-    Akk)``.
+    """Write one channel tile's WGMMA operands of a level; return the row operands of
+    ``(Aqk, Akk)``.
 
     ``k E_col`` goes to ``kp_ref`` (both outputs' column operand) and ``q E_row`` to ``qp_ref``;
     ``k`` as Akk's row operand is ``kp_ref`` itself where both factors are ``E``, else ``k E_row``
@@ -493,10 +493,10 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
 
     Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with
     the diagonal ``|k_r|^2``), both zero across a segment start; ``qg = scale q exp(G) enter``,
-    ``kg = k exp(G_last - G) leave``, ``xk = k exp(G) enter`` (bf16) and ``gamma = exp(G_last)
-    enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g``: the backward kernels
-    (scores with the gates' chain rule, then the reverse cumsum) return ``dq, dk`` in the inputs'
-    dtypes and ``dg`` fp32, all in the caller's layout.
+    ``kg = k exp(G_last - G) leave``, ``xk = k exp(G) enter`` (bf16) and
+    ``gamma = exp(G_last) enter_last`` (fp32 ``[B, H, NC, K]``). Differentiable in ``q, k, g``: the
+    backward kernels (scores with the gates' chain rule, then the reverse cumsum) return ``dq, dk``
+    in the inputs' dtypes and ``dg`` fp32, all in the caller's layout.
     """
     _check(q, k, g, masks)
     return _gated(q, k, g, masks if masks is not None else (), float(scale), interpret)
@@ -507,8 +507,8 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
 
 def scores_reference(a, b, g_cum):
     """``S[r, j] = sum_c a_rc b_jc exp(G_rc - G_jc)`` for ``r >= j`` per chunk of 64 rows, else 0;
-    plain fp32, pairwise ``[.., C, C, K]`` decays (small inputs only). a, b, g_cum: ``[B, H, Tp,
-    K]``."""
+    plain fp32, pairwise ``[.., C, C, K]`` decays (small inputs only). a, b, g_cum:
+    ``[B, H, Tp, K]``."""
     nb, h, tp, dk = b.shape
     shp = (nb, h, tp // CHUNK, CHUNK, dk)
     a, b, g = (x.astype(F32).reshape(shp) for x in (a, b, g_cum))

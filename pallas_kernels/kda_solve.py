@@ -80,9 +80,9 @@ def unit_lower_inverse_reference(lower):
 
 
 def wy_reference(akk, beta, xk, v):
-    """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta
-    xk`` and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major). Returns
-    ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32."""
+    """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``,
+    ``X = beta xk`` and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major).
+    Returns ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32."""
     nb, h, tp, c = akk.shape
     rows = beta.astype(F32)[..., None]
     strict = jnp.asarray(np.tile(np.tri(c, k=-1, dtype=bool), (tp // c, 1)))
@@ -183,8 +183,8 @@ def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):
 
 
 def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
-    """Raw forward kernel: ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V]
-    fp32)``."""
+    """Raw forward kernel:
+    ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``."""
     nb, h, tp, _ = akk.shape
     dk, dv = xk.shape[-1], v.shape[-1]
 

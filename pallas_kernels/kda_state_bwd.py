@@ -126,8 +126,8 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       dfinal: ``[B, H, K, V]`` fp32.
 
     Returns:
-      ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16, ``dgamma [B, H, NC, K],
-      du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
+      ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16,
+      ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
     du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
                                              chunk_size=chunk_size, interpret=interpret)

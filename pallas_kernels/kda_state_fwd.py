@@ -1,8 +1,8 @@
 """Mosaic GPU kernel: the serial KDA state pass over chunks, forward (SPEC 3.3).
 
-Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per ``(value tile of 64
-columns, head, batch)`` walks the chunks in order. Per chunk (operands bf16 in SMEM, fp32
-accumulation on WGMMA):
+Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per
+``(value tile of 64 columns, head, batch)`` walks the chunks in order. Per chunk (operands bf16 in
+SMEM, fp32 accumulation on WGMMA):
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
 

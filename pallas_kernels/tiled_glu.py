@@ -12,9 +12,9 @@ pipelines ``BLOCK_N``-column blocks through shared memory and computes in fp32.
 Rows of ``-1`` tiles are left unwritten (unspecified), as in the tile matmul that consumes them.
 
 The activation is the caller's ``act``, a hashable static argument (the ops pass their
-``GLUSpec``), called on fp32 blocks as ``act(gate, up) -> h`` and ``act.vjp(gate, up, dh) ->
-(dgate, dup)``: the kernels own the tile schedule and the activation's math stays with the ops,
-which call these kernels (a kernel module imports nothing from the ops).
+``GLUSpec``), called on fp32 blocks as ``act(gate, up) -> h`` and
+``act.vjp(gate, up, dh) -> (dgate, dup)``: the kernels own the tile schedule and the activation's
+math stays with the ops, which call these kernels (a kernel module imports nothing from the ops).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ BLOCK_M, BLOCK_N, STAGES = TILE_ROWS, 64, 2
 
 def tiled_glu_reference(gate, up, tile_group, act, dh=None):
     """``act(gate, up)`` (or, given ``dh``, its ``(dgate, dup)``) in fp32, cast to ``gate.dtype``,
-    zero on rows of ``-1`` tiles. ``gate``, ``up``, ``dh`` ``[M, N]``; ``tile_group [M /
-    BLOCK_M]``."""
+    zero on rows of ``-1`` tiles. ``gate``, ``up``, ``dh`` ``[M, N]``;
+    ``tile_group [M / BLOCK_M]``."""
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     real = (jnp.repeat(tile_group, BLOCK_M) >= 0)[:, None]
     if dh is None:

@@ -2,8 +2,8 @@
 
 Same checks as tests/test_pallas_kda.py (values and all gradients against the fp32 recurrence with
 the SPEC 10 bf16 tolerances), compiled for the GPU instead of interpreted. tests/conftest.py
-defaults ``JAX_PLATFORMS`` to ``cpu``, so run it as ``JAX_PLATFORMS=cuda python -m pytest -q -s
-tests/test_pallas_kda_gpu.py``.
+defaults ``JAX_PLATFORMS`` to ``cpu``, so run it as
+``JAX_PLATFORMS=cuda python -m pytest -q -s tests/test_pallas_kda_gpu.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``, ``X = beta
-xk``, ``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU
+"""KDA's WY products ``(T X, T Y)``, ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``,
+``X = beta xk``, ``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU
 interpreter, against a triangular solve and matmuls in fp32: random chunks and the correlated-keys
 regime where inverses built from powers of ``L`` fail; every gradient of the backward kernel against
 autodiff of the reference; bf16 operands; ``kda_pallas`` end to end on correlated keys; lowering for

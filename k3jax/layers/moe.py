@@ -71,8 +71,8 @@ def make_dispatch(moe_cfg) -> DispatchFn:
 
 
 class MoEBlock(nn.Module):
-    """Routed experts (+ optional shared MLP) on the FFN pre-norm output. ``[B, T, d] -> [B, T,
-    d]``.
+    """Routed experts (+ optional shared MLP) on the FFN pre-norm output.
+    ``[B, T, d] -> [B, T, d]``.
 
     Latent form (``moe.latent_dim`` set): ``z = x W_down``; experts at latent width on ``z``;
     fp32 weighted combine; optional latent RMSNorm; ``y = u W_up + Shared(x)``.

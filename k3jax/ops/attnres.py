@@ -1,7 +1,7 @@
 """Attention Residuals: the depth aggregation over earlier sources (SPEC 5).
 
-For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight ``g
-[d]``::
+For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight
+``g [d]``::
 
     score_i = w . RMSNorm_g(v_i) = r_i * <v_i, g*w>,   r_i = rsqrt(mean(v_i^2) + eps)
                                                         (no 1/sqrt(d))
@@ -166,8 +166,8 @@ def inter_block(completed: jax.Array, w: jax.Array, g: jax.Array,
                 eps: float) -> tuple[jax.Array, jax.Array]:
     """Phase 1: ``S`` queries ``w, g [S, d]`` against ``completed [n, B, T, d]`` in one pass.
 
-    Returns the normalised partial outputs ``o [S, B, T, d]`` and their log-sum-exp ``lse [S, B,
-    T]`` (both fp32), ready to be merged with more sources by :func:`merge_partial`.
+    Returns the normalised partial outputs ``o [S, B, T, d]`` and their log-sum-exp
+    ``lse [S, B, T]`` (both fp32), ready to be merged with more sources by :func:`merge_partial`.
     """
     v = completed.astype(_F32)
     r = _inv_rms(v, eps)                                                   # shared by the queries

@@ -23,8 +23,8 @@ def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
 
 
 def select_experts(scores: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
-    """The ``top_k`` experts of ``scores + bias`` per token: ``[..., E]``, ``[E]`` -> ids ``[...,
-    k]`` int32.
+    """The ``top_k`` experts of ``scores + bias`` per token: ``[..., E]``, ``[E]`` -> ids
+    ``[..., k]`` int32.
 
     The bias only chooses; it is a balancing state, so no gradient flows into it.
     """
@@ -45,8 +45,8 @@ def gate_weights(scores: jax.Array, ids: jax.Array, routed_scaling_factor: float
 
 def route(scores: jax.Array, bias: jax.Array, top_k: int,
           routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
-    """Select with ``scores + bias``, weigh with ``scores``: -> ``(ids [..., k] int32, weights [...,
-    k] fp32)``."""
+    """Select with ``scores + bias``, weigh with ``scores``: ->
+    ``(ids [..., k] int32, weights [..., k] fp32)``."""
     ids = select_experts(scores, bias, top_k)
     return ids, gate_weights(scores, ids, routed_scaling_factor)
 
