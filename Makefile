@@ -34,6 +34,7 @@ train: $(STAMP)
 
 # The whole suite; GPU-only tests skip themselves on a machine without one.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # One Hopper GPU: the KDA op, forward and forward+backward, ours and jax-linear-attention at the
