@@ -243,8 +243,8 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
              (f"Intervals are 95% percentile bootstrap intervals over runs ({resamples} "
              "resamples, within each compute budget)."), "",
              ("| variant | size | N | N_total | D | C | seed | loss | bits/byte | tokens/s | MFU "
-             "| wall s | compile s | status |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| wall s | compile s | overhead | status |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     num = lambda x, f: "-" if x is None else format(x, f)
     for r in rows:
         lines.append(f"| {r['variant']} | {r['size']} | {r['n']:,} | {r['n_total']:,} | "
@@ -275,9 +275,16 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
         lines += ["", (f"## Compute multipliers against `{fits['baseline']}` at C = "
                   f"{fits['compute']:.3g} FLOPs"), "",
                   "Above 1: the variant reaches the baseline's loss with less compute.", ""]
+        budgets = [r["budget"] for r in rows if r.get("budget")]
         for v, m in fits["multipliers"].items():
             verdict = ("the interval excludes 1" if m["low"] > 1 or m["high"] < 1 else
                        "the interval includes 1: no difference is resolved at this scale")
+            # The multiplier reads the baseline's fitted law at multiplier x C: outside the
+            # measured budgets that is an extrapolation of the law, not a measurement.
+            if budgets and not min(budgets) <= m["value"] * fits["compute"] <= max(budgets):
+                verdict += (f"; extrapolated: the baseline's law is read at "
+                            f"{m['value'] * fits['compute']:.3g} FLOPs, outside the measured "
+                            f"{min(budgets):.3g}-{max(budgets):.3g}")
             lines.append(f"- {v}: {_fmt(m)} ({verdict})")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
