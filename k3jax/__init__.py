@@ -18,11 +18,17 @@ The public API, by what it is for::
 - configs: :class:`ModelConfig`, :class:`KDAConfig`, :class:`MLAConfig`, :class:`FFNConfig`,
   :class:`MoEConfig`, :class:`ResidualConfig`, :class:`ExperimentConfig`, :func:`load_config`,
   :func:`apply_overrides`, :class:`ConfigError`
-- training: :func:`train` (the loop ``train.py`` runs)
+- training: :func:`run_training` (the loop ``train.py`` runs)
+- generation: :func:`init_cache`, :func:`prefill`, :func:`decode`, :func:`generate_tokens`,
+  :class:`SamplingConfig`, :class:`PrefixCache`
+- Hugging Face checkpoints: :func:`import_hf`, :func:`export_hf`, :func:`config_from_hf`,
+  :func:`config_to_hf`
+- scaling sweeps: :func:`load_sweep`, :func:`plan_sweep`, :func:`run_sweep`, :func:`write_report`
 - accounting: :func:`count_params`, :func:`forward_flops_per_token`,
   :func:`train_flops_per_token`, :func:`kv_cache_bytes_per_token`, :func:`kda_state_bytes`
 
-Each name is imported from its module on first use, so ``import k3jax`` loads neither JAX nor the
+Each name is imported from its module on first use (no name is also a subpackage's, which
+importing that subpackage would shadow), so ``import k3jax`` loads neither JAX nor the
 Pallas kernels; ``from k3jax.ops.kda import kda`` and the like keep working.
 """
 
@@ -55,7 +61,21 @@ _EXPORTS = {
     "ExperimentConfig": ("k3jax.config.experiment", "ExperimentConfig"),
     "load_config": ("k3jax.config.experiment", "load_config"),
     "apply_overrides": ("k3jax.config.experiment", "apply_overrides"),
-    "train": ("k3jax.train.loop", "run"),
+    "run_training": ("k3jax.train.loop", "run"),
+    "init_cache": ("k3jax.generate.cache", "init_cache"),
+    "prefill": ("k3jax.generate.steps", "prefill"),
+    "decode": ("k3jax.generate.steps", "decode"),
+    "generate_tokens": ("k3jax.generate.loop", "generate"),
+    "SamplingConfig": ("k3jax.generate.sampling", "SamplingConfig"),
+    "PrefixCache": ("k3jax.generate.prefix_cache", "PrefixCache"),
+    "import_hf": ("k3jax.convert.importer", "import_hf"),
+    "export_hf": ("k3jax.convert.exporter", "export_hf"),
+    "config_from_hf": ("k3jax.convert.hf_config", "config_from_hf"),
+    "config_to_hf": ("k3jax.convert.hf_config", "config_to_hf"),
+    "load_sweep": ("k3jax.sweep.spec", "load_sweep"),
+    "plan_sweep": ("k3jax.sweep.plan", "plan_sweep"),
+    "run_sweep": ("k3jax.sweep.runner", "run_sweep"),
+    "write_report": ("k3jax.sweep.report", "write_report"),
     "count_params": ("k3jax.accounting", "count_params"),
     "forward_flops_per_token": ("k3jax.accounting", "forward_flops_per_token"),
     "train_flops_per_token": ("k3jax.accounting", "train_flops_per_token"),
