@@ -36,7 +36,7 @@ PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~79
 
 
 def flops(b, t, h, d, c=64):
-    """As-implemented forward FLOPs (SPEC 3.3): ``6KV + 2K(C+16) + 2CK + 4CV + C^2/3`` per
+    """As-implemented forward FLOPs (math §3.3): ``6KV + 2K(C+16) + 2CK + 4CV + C^2/3`` per
     token-head."""
     per = 6 * d * d + 2 * d * (c + 16) + 2 * c * d + 4 * c * d + c * c / 3
     return b * t * h * per

@@ -6,7 +6,7 @@ JSON lines, one per measurement:
   forward+backward), ``jax.lax.ragged_dot`` against the Mosaic GPU kernels, TFLOP/s;
 - ``dispatch``: the dispatch alone (fwd, fwd+bwd w.r.t. tokens, weights and expert weights) for
   each implementation on 1 and 2 devices, with its relative RMS error against the single-device
-  ``ragged`` dispatch on the same global tokens (SPEC 10 bf16 bound 5e-3);
+  ``ragged`` dispatch on the same global tokens (math §10 bf16 bound 5e-3);
 - ``moe_step``: a training step of ``--layers`` residual Stable LatentMoE blocks (router, latent
   projections and norm, shared MLP, QB statistics; forward, backward, SGD update) at equal
   per-device batch -> tokens/s, and for two devices the speedup over the best one-device figure;

@@ -1,4 +1,4 @@
-"""The released Kimi K3 shapes (SPEC section 1): 2.78T total, 104.2B active. For shape checks and
+"""The released Kimi K3 shapes (math §1): 2.78T total, 104.2B active. For shape checks and
 counting with ``jax.eval_shape``; nothing here is meant to be allocated on one machine."""
 
 from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig

@@ -1,4 +1,4 @@
-"""Kimi Linear 48B-A3B shapes (SPEC section 1): about 48B total, 3B active."""
+"""Kimi Linear 48B-A3B shapes (math §1): about 48B total, 3B active."""
 
 from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
 

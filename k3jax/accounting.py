@@ -1,6 +1,6 @@
 """Parameter and FLOP accounting of any config, with nothing allocated (``jax.eval_shape``).
 
-Conventions (SPEC 3.3, 6): a matmul with ``n`` weights costs ``2n`` FLOPs per token; routed experts
+Conventions (math §3.3, 6): a matmul with ``n`` weights costs ``2n`` FLOPs per token; routed experts
 count ``top_k / num_experts`` of their weights as active; the input embedding is a lookup and is
 excluded from "active"; the untied head counts. A training step is three forwards (forward plus a
 backward twice its cost), the usual MFU convention.
@@ -58,7 +58,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
 
 
 def kda_core_flops(cfg: ModelConfig, convention: str = "paper") -> float:
-    """FLOPs per token of one KDA layer's chunked recurrence (all heads), SPEC 3.3."""
+    """FLOPs per token of one KDA layer's chunked recurrence (all heads), math §3.3."""
     k, c = cfg.kda.head_dim, cfg.kda.chunk_size
     v = k
     if convention == "paper":
@@ -97,13 +97,13 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, kda_convention: str = 
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
-    """MLA latent cache per token over all MLA layers (SPEC 9): ``(kv_lora + rope) * bytes``."""
+    """MLA latent cache per token over all MLA layers (math §9): ``(kv_lora + rope) * bytes``."""
     m = cfg.mla
     return cfg.layer_types.count("mla") * (m.kv_lora_rank + m.qk_rope_head_dim) * bytes_per_value
 
 
 def kda_state_bytes(cfg: ModelConfig) -> int:
-    """Fixed fp32 KDA state per sequence over all KDA layers (SPEC 9): ``H K V * 4`` each."""
+    """Fixed fp32 KDA state per sequence over all KDA layers (math §9): ``H K V * 4`` each."""
     k = cfg.kda
     return cfg.layer_types.count("kda") * k.num_heads * k.head_dim * k.head_dim * 4
 

@@ -1,7 +1,7 @@
 """KDA on Hopper: chunked forward and backward with the serial state pass as Mosaic GPU kernels.
 
-``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (SPEC 3.2) by
-the chunked form of SPEC 3.3, in three parts:
+``kda_pallas`` computes what :func:`k3jax.ops.kda_reference.kda_reference` computes (math §3.2) by
+the chunked form of math §3.3, in three parts:
 
 1. :func:`pallas_kernels.kda_prep.prepare` (the token-parallel part): the gates' chunk cumsum with
    the gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma`` and the intra-chunk score matrices

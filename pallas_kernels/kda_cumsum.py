@@ -1,4 +1,4 @@
-"""Mosaic GPU kernels: KDA's chunk-local cumulative log-decay ``G_r = sum_{i <= r} g_i`` (SPEC 3.3),
+"""Mosaic GPU kernels: KDA's chunk-local cumulative log-decay ``G_r = sum_{i <= r} g_i`` (§3.3),
 with the gated operands, and its reverse.
 
 Per chunk of 64 tokens (one batch, head, chunk; one CTA) the cumsum is a product with the

@@ -1,4 +1,4 @@
-"""KDA's gates per chunk of 64 tokens (SPEC 3.3): the decay factors, the gated operands and their
+"""KDA's gates per chunk of 64 tokens (math §3.3): the decay factors, the gated operands and their
 chain rule, as helpers for the Mosaic GPU kernels, with their plain fp32 reference.
 
 From the chunk-local cumulative log-decay ``G`` (``G_last`` its last row) and the packed-document

@@ -1,4 +1,4 @@
-"""Token-parallel part of chunked KDA (SPEC 3.3): everything but the recurrence over chunks.
+"""Token-parallel part of chunked KDA (math §3.3): everything but the recurrence over chunks.
 
 For each chunk of ``C = 64`` tokens (one head) this forms, from the cumulative log-decay ``G``:
 
@@ -15,7 +15,7 @@ their own VJPs: the gates' chunk cumsum with the gated operands and the score ma
 inverse with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). :func:`prepare_reference` computes the
 same quantities in plain fp32 JAX from the kernels' references (differentiated by autodiff).
 
-Numerics (SPEC 3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
+Numerics (math §3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
 ``exp(G_r) exp(-G_j)`` over a span that can grow (the scores kernels' anchored levels,
 :mod:`pallas_kernels.kda_scores`).
 

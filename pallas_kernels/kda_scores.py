@@ -1,5 +1,5 @@
-"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and gated operands, and their VJP (SPEC
-3.3).
+"""Mosaic GPU kernels: KDA's decayed intra-chunk scores and gated operands, and their VJP (math
+§3.3).
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk), for ``r >= j`` (0 above the diagonal)::
 
@@ -18,7 +18,7 @@ the reverse cumsum: no fp32 intermediate of the token-parallel part goes through
 combine. (The cumsum kernel writes them because it is light, with two CTAs per SM; the scores
 forward kernel runs one warpgroup per SM, where every store's latency would be exposed.)
 
-Numerics (SPEC 3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
+Numerics (math §3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
 A pair ``r > j`` belongs to exactly one level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row
 blocks: ``r`` in a right block ``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the
 decay factors through the right block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both

@@ -1,5 +1,5 @@
-"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (SPEC
-3.3), formed from KDA's raw pieces.
+"""Mosaic GPU kernels: KDA's WY products ``W = T X``, ``U = T Y`` with ``T = (I + L)^-1`` (math
+§3.3), formed from KDA's raw pieces.
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA) the kernel reads ``Akk`` (fp32),
 ``beta`` (fp32), ``xk = k exp(G)`` (``[C, K]``, head-major) and ``v`` (``[C, V]``, in the caller's

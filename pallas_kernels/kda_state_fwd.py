@@ -1,4 +1,4 @@
-"""Mosaic GPU kernel: the serial KDA state pass over chunks, forward (SPEC 3.3).
+"""Mosaic GPU kernel: the serial KDA state pass over chunks, forward (math §3.3).
 
 Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per
 ``(value tile of 64 columns, head, batch)`` walks the chunks in order. Per chunk (operands bf16 in

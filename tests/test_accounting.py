@@ -1,4 +1,4 @@
-"""Parameter counts by eval_shape against counts written out by hand from SPEC sections 1, 3, 4."""
+"""Parameter counts by eval_shape against counts written out by hand from math §1, 3, 4."""
 
 import importlib
 import json
@@ -67,8 +67,8 @@ def test_serving_quantities_of_k3_match_spec_9():
 
 
 @pytest.mark.parametrize("name,total,active,rel", [
-    ("k3_full", 2.78e12, 104.2e9, 0.005),  # SPEC 1: within 0.5% is a pass
-    # SPEC 1 says "48B total, ~3B active"; the released config gives 49.1B / 3.1B by this count
+    ("k3_full", 2.78e12, 104.2e9, 0.005),  # math §1: within 0.5% is a pass
+    # math §1 says "48B total, ~3B active"; the released config gives 49.1B / 3.1B by this count
     # (the "48B" name rounds down), so "about" is checked at 3%.
     ("kimi_linear_48b", 48e9, 3.0e9, 0.03),
 ])

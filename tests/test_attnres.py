@@ -1,4 +1,4 @@
-"""Attention Residuals (SPEC 5): the op, the rule's bookkeeping, the two-phase form, the model
+"""Attention Residuals (math §5): the op, the rule's bookkeeping, the two-phase form, the model
 wiring, and the memory it adds.
 
 Model-level tests use MLA-only dense stacks: the residual rule does not depend on the mixer, and the
@@ -222,7 +222,7 @@ def test_full_attnres_without_bookkeeping_equals_block_size_one():
 
 @pytest.mark.parametrize("block", [1, 2, 3])
 def test_three_sublayers_by_hand_source_lists_of_spec5(block):
-    """SPEC 5 written out for sub-layers 0, 1, 2 and the final read, one line per read."""
+    """math §5 written out for sub-layers 0, 1, 2 and the final read, one line per read."""
     e, mats, queries, norms = _toy(11, l_sub=3)
     f = _fns(mats)
 
@@ -321,7 +321,7 @@ def test_zero_queries_give_the_plain_residual_model(attnres_setup):
     """With w = 0 every mix is the mean of its n sources, which sum to the plain stream x: h = x /
     n. The pre-norms are scale-invariant except for eps: RMSNorm(x / n) = RMSNorm(x) with eps -> n^2
     eps. With eps = 1e-12 and mean(x^2) >= ~1e-4 that shifts rsqrt by < n^2 eps / (2 mean x^2) ~
-    1e-7, so FP32_TOL (SPEC 10, same math in another order: h sums the sources in a different order)
+    1e-7, so FP32_TOL (§10, same math in another order: h sums the sources in a different order)
     holds. A boundary counted twice or a missing source changes the direction of h, not only its
     scale."""
     cfg, v = attnres_setup

@@ -1,4 +1,4 @@
-"""Load balancing (SPEC 7): QB quantile properties, summable statistics, update rules, a toy run."""
+"""Load balancing (§7): QB quantile properties, summable statistics, update rules, a toy run."""
 
 from __future__ import annotations
 

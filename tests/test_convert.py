@@ -26,7 +26,7 @@ from k3jax.ops.tolerance import rel_rms
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 KIMI_LINEAR, K3 = FIXTURES / "kimi_linear", FIXTURES / "kimi_k3"
 # Whole-model fp32 parity with transformers: the same maths in fp32 through different kernels
-# (rel RMS, SPEC 10's metric); tighter than the op-level FP32_TOL because the model is tiny.
+# (rel RMS, math §10's metric); tighter than the op-level FP32_TOL because the model is tiny.
 MODEL_FP32_TOL = 1e-5
 
 

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatches (SPEC 8) on 8 simulated CPU devices against the single-device MoE.
+"""Expert-parallel dispatches (math §8) on 8 simulated CPU devices against the single-device MoE.
 
 Each dispatch must equal the dense oracle (every expert on every token) in values and gradients, on
 skewed routing that sends most slots to one device (so a buffer sized for the average would drop)

@@ -3,7 +3,7 @@
 ``ragged_all_to_all`` has no CPU lowering, so the CPU suite checks its logic with an emulated
 collective; here the real one runs. Each dispatch (bf16, Mosaic tile kernels, expert axis 2) is
 compared with the single-device ``ragged_dot`` dispatch in fp32 on the same bf16-rounded inputs
-(SPEC 10: bf16 inputs against an fp32 reference), values and gradients, within SPEC 10's bf16
+(math §10: bf16 inputs against an fp32 reference), values and gradients, within math §10's bf16
 tolerances. Run with
 ``JAX_PLATFORMS=cuda python -m pytest -q tests/test_ep_dispatch_gpu.py``.
 """

@@ -20,7 +20,7 @@ from helpers import GENERATION_CASES, generation_case
 from k3jax.generate import decode, forward_logits, init_cache, left_pad, prefill
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms
 
-# Same math, same dtype, another order of summation: far tighter than SPEC 10's FP32_TOL.
+# Same math, same dtype, another order of summation: far tighter than math §10's FP32_TOL.
 CACHED_FP32_TOL = 1e-5
 PROMPT_LENS = (32, 19, 2)  # 2 < the conv width - 1: the decode conv state straddles padding
 NEW_TOKENS = 4

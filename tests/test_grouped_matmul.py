@@ -98,7 +98,7 @@ def test_tile_groups_marks_padding_tiles():
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_tile_kernel_matches_reference(transpose_rhs):
     """bf16 operands, fp32 accumulation: the interpreted kernel equals the reference on every tile
-    that has a group (SPEC 10 bf16 output tolerance)."""
+    that has a group (math §10 bf16 output tolerance)."""
     k, n, groups = 128, 256, 3
     tile_group = jnp.array([0, 2, 2, -1, 1], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (BM * 5, k)).astype(jnp.bfloat16)
@@ -134,7 +134,7 @@ def test_tile_kernel_rejects_bad_shapes():
 
 def test_tile_kernel_custom_vjp_equals_ragged_dot():
     """Values and both gradients on aligned rows (an empty group, a zero-padded group, two padding
-    tiles past the groups) equal ``ragged_dot``'s within SPEC 10's bf16 tolerances; the padding
+    tiles past the groups) equal ``ragged_dot``'s within math §10's bf16 tolerances; the padding
     tiles' rows are unspecified (unwritten) and nothing from them leaks into the real rows'
     values and input gradient or into the weight gradient."""
     k, n = 128, 128

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/
 @pytest.mark.parametrize("aligned", [False, True])
 def test_grouped_matmul_values_and_grads(aligned):
     """Both Mosaic paths (jax's ragged kernel; the tile kernel on aligned rows, with padding tiles
-    past the groups) against fp32 ``ragged_dot`` on the real rows, SPEC 10 bf16 tolerances."""
+    past the groups) against fp32 ``ragged_dot`` on the real rows, math §10 bf16 tolerances."""
     groups, k, n = 16, 1024, 768
     rng = np.random.default_rng(0)
     real = rng.integers(0, 600, groups)
@@ -94,7 +94,7 @@ def test_dispatch_with_mosaic_equals_reference():
 @pytest.mark.parametrize("act", [GLUSpec("situ_glu"), GLUSpec("swiglu")])
 def test_glu_on_tiles_values_and_grads(act):
     """The tile activation kernels compiled for sm_90, at MoE width (m = 768) with an empty group
-    and padding tiles past the groups, against fp32 autodiff of ``glu`` on the groups' rows (SPEC 10
+    and padding tiles past the groups, against fp32 autodiff of ``glu`` on the groups' rows (§10
     bf16 tolerances)."""
     sizes = jnp.array([40 * 128, 0, 17 * 128, 7 * 128], jnp.int32)
     rows = int(sizes.sum()) + 30 * 128

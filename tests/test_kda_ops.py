@@ -1,8 +1,8 @@
 """KDA ops: the chunked path against the token-by-token reference, decode, dispatch, validation.
 
-The oracle is :func:`k3jax.ops.kda_reference.kda_reference` (SPEC 3.2, fp32), itself checked against
-a float64 NumPy loop. Gates are generated with the two formulas of SPEC 3.1 step 4. Errors are the
-relative RMS of SPEC 10 (:func:`k3jax.ops.tolerance.rel_rms`).
+The oracle is :func:`k3jax.ops.kda_reference.kda_reference` (§3.2, fp32), itself checked against
+a float64 NumPy loop. Gates are generated with the two formulas of math §3.1 step 4. Errors are the
+relative RMS of math §10 (:func:`k3jax.ops.tolerance.rel_rms`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from k3jax.ops.tolerance import (
     rel_rms,
 )
 
-# SPEC 10, by name: fp32 chunked vs recurrent <= FP32_TOL; bf16 inputs vs the fp32 reference:
+# math §10, by name: fp32 chunked vs recurrent <= FP32_TOL; bf16 inputs vs the fp32 reference:
 # outputs/states <= BF16_OUT_TOL, dq dk dv dh0 <= BF16_GRAD_QKV_TOL, dg dbeta <= BF16_GRAD_GATE_TOL.
 GRAD_TOLS_BF16 = (BF16_GRAD_QKV_TOL,) * 3 + (BF16_GRAD_GATE_TOL,) * 2 + (BF16_GRAD_QKV_TOL,)
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -49,7 +49,7 @@ def _sigmoid(x):
 
 
 def make_gate(kind, rng, shape):
-    """Log-decays ``[B, T, H, K]`` from the SPEC 3.1 gate formulas at or beyond their init range.
+    """Log-decays ``[B, T, H, K]`` from the math §3.1 gate formulas at or beyond their init range.
 
     ``softplus``: ``-exp(A_log[h]) softplus(f)``, ``A_log = log U(1, 16)``, f spread around
     ``dt_bias`` (per-token log-decays ~1e-4 .. ~30). ``lower_bound``: ``-5 sigmoid(exp(A_log) f)``,
@@ -126,7 +126,7 @@ def assert_close(name, ref, out, tol):
 
 # ----------------------------------------------------------------------------- the reference
 def numpy_recurrence(q, k, v, g, beta, h0, seg, scale):
-    """SPEC 3.2 in float64 NumPy, one token and one sequence at a time (independent of JAX)."""
+    """math §3.2 in float64 NumPy, one token and one sequence at a time (independent of JAX)."""
     q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
     b, t, h, _ = q.shape
     o, s = np.zeros(v.shape), h0.copy()

@@ -1,6 +1,6 @@
 """Layer-level numerics: short conv, KDA layer, MLA (absorbed vs expanded, decode vs full), norms.
 
-Tolerances follow SPEC section 10: the same math in another order, fp32, within FP32_TOL.
+Tolerances follow math §10: the same math in another order, fp32, within FP32_TOL.
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""MoE block, router and dispatch (SPEC 6): ragged vs dense oracle, routing rules, config errors."""
+"""MoE block, router and dispatch (§6): ragged vs dense oracle, routing rules, config errors."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_block_ragged_matches_dense_plain_values():
 
 
 def test_latent_norm_makes_routed_branch_invariant_to_scaling_factor():
-    # eps tiny so the norm is exactly scale-invariant up to round-off (SPEC 6).
+    # eps tiny so the norm is exactly scale-invariant up to round-off (math §6).
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
 
     def out(latent, rsf, **kw):

@@ -1,7 +1,7 @@
-"""Pallas (Mosaic GPU) KDA kernels in the CPU interpreter against the fp32 recurrence (SPEC 3.2).
+"""Pallas (Mosaic GPU) KDA kernels in the CPU interpreter against the fp32 recurrence (math §3.2).
 
 Small shapes; inputs are bf16-representable, the reference runs in fp32 on the same values, so
-the SPEC 10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands, fp32 state).
+the math §10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands, fp32 state).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _bf16(x):
 
 def _check_all(args, seg, do, dfin, inputs=_bf16):
     """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
-    reference: values and all six gradients within SPEC 10's bf16 tolerances, o in the inputs'
+    reference: values and all six gradients within math §10's bf16 tolerances, o in the inputs'
     dtype and every gradient in its argument's."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
@@ -129,7 +129,7 @@ def test_state_kernels_match_plain_jax(dv):
 def test_state_grads_kernel_matches_its_products(dk, dv):
     """The per-chunk products kernel against the same einsums in plain JAX, on shared bf16 operands,
     two heads and two batch rows so a wrong chunk, head or row index fails. The four bf16 outputs
-    are held to SPEC 10's bf16 output tolerance (their rounding), fp32 ``dgamma`` to FP32_TOL (the
+    are held to math §10's bf16 output tolerance (their rounding), fp32 ``dgamma`` to FP32_TOL (the
     same sums in another order)."""
     b, h, nc, c = 2, 2, 3, 64
     keys = jax.random.split(jax.random.PRNGKey(7), 5)
@@ -165,7 +165,7 @@ def test_state_kernels_lower_for_cuda():
 
 def test_prepare_kernels_match_their_reference():
     """The token-parallel kernels (interpreted) against :func:`prepare_reference` on the same
-    bf16-representable inputs: every output within SPEC 10's bf16 output tolerance and the
+    bf16-representable inputs: every output within math §10's bf16 output tolerance and the
     gradients of q, k, v, g, beta through all of them within its bf16 gradient tolerances (softplus
     gate past the fp32 exp range, packed segments, T padded)."""
     (q, k, v, g, beta, _), seg = _softplus_segments_case()
@@ -206,7 +206,7 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
 
 def test_kda_pallas_fp32_inputs():
     """fp32 q, k, v off the bf16 grid go through the kernels as they are (q, k rounded to bf16 for
-    the scores, v read in fp32 by the WY kernels): o comes back fp32, all within SPEC 10's bf16
+    the scores, v read in fp32 by the WY kernels): o comes back fp32, all within math §10's bf16
     tolerances of the fp32 recurrence (the bf16 tensor-core operands bound the error)."""
     args, do, dfin = kda_fp32_case(4, 1, 90, 1, 64, 64)
     _check_all(args, None, do, dfin, inputs=lambda x: x)

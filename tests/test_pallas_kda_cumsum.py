@@ -1,4 +1,4 @@
-"""Mosaic GPU chunk cumsum of the KDA gates (SPEC 3.3) and its reverse, in the CPU interpreter,
+"""Mosaic GPU chunk cumsum of the KDA gates (math §3.3) and its reverse, in the CPU interpreter,
 against the fp32 sequential cumsum and its autodiff. (The gated operands the forward kernel also
 writes are checked with their chain rule through ``gated_scores``:
 tests/test_pallas_kda_scores.py.)"""

@@ -1,7 +1,7 @@
 """Pallas (Mosaic GPU) KDA kernels compiled for an sm_90 GPU, at real sizes (skips without one).
 
 Same checks as tests/test_pallas_kda.py (values and all gradients against the fp32 recurrence with
-the SPEC 10 bf16 tolerances), compiled for the GPU instead of interpreted. tests/conftest.py
+the math §10 bf16 tolerances), compiled for the GPU instead of interpreted. tests/conftest.py
 defaults ``JAX_PLATFORMS`` to ``cpu``, so run it as
 ``JAX_PLATFORMS=cuda python -m pytest -q -s tests/test_pallas_kda_gpu.py``.
 """
@@ -28,7 +28,7 @@ def _bf16(x):
 
 def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16):
     """``kda_pallas`` on ``inputs`` of q, k, v (bf16 unless given) against the fp32 recurrence, both
-    jitted: values and all six gradients within SPEC 10's bf16 tolerances, o in the inputs' dtype,
+    jitted: values and all six gradients within math §10's bf16 tolerances, o in the inputs' dtype,
     every gradient in its argument's; prints the errors under ``label``."""
     scale = args[0].shape[-1] ** -0.5
 
@@ -72,7 +72,7 @@ def test_values_and_gradients_on_gpu(d, t, gate, segments):
 
 def test_fp32_inputs_on_gpu():
     """fp32 q, k, v off the bf16 grid through the kernels as they are (K = 128, T = 1000, 2 x 4
-    heads): o and every gradient in fp32, within SPEC 10's bf16 tolerances (bf16 operands)."""
+    heads): o and every gradient in fp32, within math §10's bf16 tolerances (bf16 operands)."""
     args, do, dfin = kda_fp32_case(11, 2, 1000, 4, 128, 128)
     _check_on_gpu("fp32 inputs", args, do, dfin, inputs=lambda x: x)
 

@@ -1,7 +1,7 @@
-"""Mosaic GPU decayed intra-chunk scores (SPEC 3.3) in the CPU interpreter against plain fp32.
+"""Mosaic GPU decayed intra-chunk scores (math §3.3) in the CPU interpreter against plain fp32.
 
 Operands are bf16-representable and the reference (pairwise ``exp(G_r - G_j)`` in fp32) runs on the
-same values, so the SPEC 10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands
+same values, so the math §10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands
 ``a E``, ``b E``, ``dS``; fp32 accumulation and diagonal).
 """
 

@@ -76,7 +76,7 @@ def _assert_akk_grad_strict(dakk):
 @pytest.mark.parametrize("correlated", [False, True])
 def test_inverse_matches_triangular_solve(correlated):
     """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks,
-    split-bf16 merges, within SPEC 10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach
+    split-bf16 merges, within §10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach
     1e16."""
     akk, beta = _akk_and_beta(correlated, 1, 1, 2, seed=0)
     akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
@@ -103,7 +103,7 @@ def test_wy_values_and_gradients_match_reference(correlated, b, h):
 
 def test_wy_bf16_operands():
     """bf16 ``xk``, ``v`` and ``W`` against the fp32 reference on the same bf16 values (and the same
-    bf16 cotangent of ``W``): what comes out in bf16 (``W``, ``dxk``, ``dv``) within SPEC 10's bf16
+    bf16 cotangent of ``W``): what comes out in bf16 (``W``, ``dxk``, ``dv``) within math §10's bf16
     tolerances, what comes out in fp32 (``U``, ``dAkk``, ``dbeta``) within FP32_TOL; outputs and
     gradients in the promised dtypes."""
     akk, beta, xk, v = _case(False, 2, 2, 1, 64, 128, seed=2)
@@ -120,7 +120,7 @@ def test_wy_bf16_operands():
 
 
 def test_kda_pallas_on_correlated_keys():
-    """End to end (interpreted kernels), values and all six gradients at SPEC 10's bf16
+    """End to end (interpreted kernels), values and all six gradients at math §10's bf16
     tolerances, in the regime where power-based inverses fail."""
     args, do, dfin = kda_correlated_keys_case()
     _check_all(args, None, do, dfin)

@@ -31,7 +31,7 @@ def _operands(rows: int, cols: int, n: int, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_glu_vjp_equals_autodiff(act):
-    """The written-out derivative equals ``jax.vjp`` of :func:`glu` in fp32 (SPEC 10 FP32_TOL)."""
+    """The written-out derivative equals ``jax.vjp`` of :func:`glu` in fp32 (math §10 FP32_TOL)."""
     gate, up, dh = _operands(64, 96, 3, jnp.float32)
     _, vjp = jax.vjp(lambda a, b: glu(a, b, act.name, act.beta_gate, act.beta_up), gate, up)
     for ref, ours in zip(vjp(dh), glu_vjp(gate, up, dh, act.name, act.beta_gate, act.beta_up)):
@@ -41,7 +41,7 @@ def test_glu_vjp_equals_autodiff(act):
 @pytest.mark.parametrize("act", ACTS)
 def test_kernels_match_reference_on_real_tiles(act):
     """Forward and gradient kernels (interpreted) equal the fp32 reference cast to bf16 on the tiles
-    that hold a group (SPEC 10 bf16 output tolerance)."""
+    that hold a group (math §10 bf16 output tolerance)."""
     gate, up, dh = _operands(4 * BM, 2 * kernels.BLOCK_N, 3)
     tile_group = jnp.array([0, -1, 2, -1], jnp.int32)
     real = np.repeat(np.asarray(tile_group) >= 0, BM)
@@ -84,7 +84,7 @@ def test_kernels_reject_bad_shapes():
 def test_glu_on_tiles_custom_vjp_equals_autodiff(act):
     """Values and both input gradients of the tiled path (a zero-padded group, an empty group, a
     padding tile past the groups) equal JAX's autodiff of ``glu`` in fp32 on the groups' rows,
-    within SPEC 10's bf16 tolerances."""
+    within math §10's bf16 tolerances."""
     sizes = jnp.array([2 * BM, 0, BM], jnp.int32)
     rows = 4 * BM
     gate, up = _operands(rows, kernels.BLOCK_N, 2)

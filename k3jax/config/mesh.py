@@ -1,4 +1,4 @@
-"""Typed configuration of the device mesh and the logical-axis rules table (SPEC 8).
+"""Typed configuration of the device mesh and the logical-axis rules table (math §8).
 
 The mesh has four named axes, outermost first: ``data`` (pure data parallelism: parameters
 replicated), ``fsdp`` (data parallelism with parameters sharded, gathered for compute), ``expert``

@@ -1,4 +1,4 @@
-"""Typed, frozen configuration of the K3 model (SPEC sections 1-6).
+"""Typed, frozen configuration of the K3 model (math §1-6).
 
 Every dataclass validates itself on construction. ``ModelConfig`` derives the hybrid schedule
 (which layer is KDA or MLA, dense or MoE) so a field can be followed from ``configs/`` to the code
@@ -30,7 +30,7 @@ Remat = Literal["none", "full", "dots"]   # dots: keep the matmul outputs, recom
 
 @dataclass(frozen=True)
 class KDAConfig:
-    """Kimi Delta Attention layer (SPEC 3.1). ``head_dim`` is K = V."""
+    """Kimi Delta Attention layer (math §3.1). ``head_dim`` is K = V."""
 
     num_heads: int = 4
     head_dim: int = 64
@@ -55,7 +55,7 @@ class KDAConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (SPEC 4). NoPE by default; ``rope=True`` rotates the 64 dims.
+    """Multi-head latent attention (math §4). NoPE by default; ``rope=True`` rotates the 64 dims.
 
     ``latent_norm_eps`` is the epsilon of both latent RMSNorms (``q_a`` and ``kv_a``): the released
     models build them with the RMSNorm default 1e-6, not the model's ``rms_eps``.
@@ -88,7 +88,7 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class FFNConfig:
-    """Dense gated MLP (SwiGLU or SiTU-GLU, SPEC 6)."""
+    """Dense gated MLP (SwiGLU or SiTU-GLU, math §6)."""
 
     intermediate_size: int = 512
     activation: Activation = "situ_glu"
@@ -104,7 +104,7 @@ class FFNConfig:
 
 @dataclass(frozen=True)
 class ResidualConfig:
-    """The residual rule: plain pre-norm sum, or Attention Residuals (SPEC 5).
+    """The residual rule: plain pre-norm sum, or Attention Residuals (math §5).
 
     The AttnRes block size may be given in sub-layers (the paper's unit; Full AttnRes is 1) or in
     decoder layers (K3's config unit, two sub-layers each); ``block_sublayers`` is the resolved
@@ -185,7 +185,7 @@ class ModelConfig:
                 fail(self, "moe.latent_dim", self.moe.latent_dim,
                      f"the latent width must not exceed d_model={self.d_model}")
 
-    # -- the hybrid schedule (SPEC 2) -------------------------------------------------------
+    # -- the hybrid schedule (math §2) -------------------------------------------------------
     @property
     def layer_types(self) -> tuple[str, ...]:
         if self.mla_layers is not None:

@@ -1,4 +1,4 @@
-"""Typed configuration of the MoE feed-forward and its load balancing (SPEC 6-8)."""
+"""Typed configuration of the MoE feed-forward and its load balancing (math §6-8)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from k3jax.config.base import check_literals, fail, positive, require
 
-Activation = Literal["swiglu", "situ_glu"]   # the gated activations (SPEC 6)
+Activation = Literal["swiglu", "situ_glu"]   # the gated activations (math §6)
 # "quantile": exact Quantile Balancing (sort); "quantile_hist": K3's histogram version.
 Balancing = Literal["quantile", "quantile_hist", "aux_free", "aux_loss", "none"]
 # Single device: "ragged" (grouped matmul), "dense" (test oracle); expert-parallel: the rest.

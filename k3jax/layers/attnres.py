@@ -1,9 +1,9 @@
-"""Attention Residuals as the model's residual rule (SPEC 5), behind the seam of ``residual.py``.
+"""Attention Residuals as the model's residual rule (math §5), behind the seam of ``residual.py``.
 
 State: ``AttnResState(blocks, partial)``. ``blocks`` is a Python tuple of the completed blocks (each
 ``[B, T, d]``, the embedding first); ``partial [B, T, d]`` is the running sum of the current block's
-sub-layer outputs, ``None`` right after a commit. SPEC 5's bookkeeping, with the commit of a block
-done as soon as its last sub-layer has written (equivalent to SPEC 5's commit at the next read,
+sub-layer outputs, ``None`` right after a commit. math §5's bookkeeping, with the commit of a block
+done as soon as its last sub-layer has written (equivalent to math §5's commit at the next read,
 since a block's first sub-layer reads the just-closed block as a source either way)::
 
     initial:  blocks = (embedding,); partial = None              # "j = 0 commits the embedding"

@@ -1,4 +1,4 @@
-"""Causal depthwise short convolution with segment-aware masking and decode state (SPEC 3.1 step 2).
+"""Causal depthwise short convolution with segment-aware masking and decode state (§3.1 step 2).
 
 The weight ``[W, C]`` applies ``w[W-1]`` to the current token and ``w[W-1-i]`` to the token ``i``
 steps back. A tap never reads across a segment boundary, so packed documents stay independent.

@@ -1,4 +1,4 @@
-"""Dense gated feed-forward block (SwiGLU or SiTU-GLU, SPEC 6), also the MoE's shared MLP."""
+"""Dense gated feed-forward block (SwiGLU or SiTU-GLU, math §6), also the MoE's shared MLP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer (SPEC 3.1): projections, short convs, gate, beta, core op, output.
+"""The Kimi Delta Attention layer (§3.1): projections, short convs, gate, beta, core op, output.
 
 The core recurrence lives in :mod:`k3jax.ops.kda`; this module only builds its inputs and applies
 the gated head-wise norm and output projection. Shapes follow the FLA layout ``[B, T, H, D]``.
@@ -31,7 +31,7 @@ class KDACache(NamedTuple):
 
 
 def _a_log_init(gate: str):
-    """Softplus form: ``A_log = log U(1, 16)``; lower-bound form: ``A_log = 0`` (SPEC 3.1 step
+    """Softplus form: ``A_log = log U(1, 16)``; lower-bound form: ``A_log = 0`` (math §3.1 step
     4)."""
     def init(key, shape, dtype=jnp.float32):
         if gate == "softplus":
@@ -141,8 +141,8 @@ class KDALayer(nn.Module):
 
     # -- one-token decode ----------------------------------------------------------------------
     def decode_step(self, x: jax.Array, cache: KDACache):
-        """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of SPEC
-        3.4."""
+        """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of math
+        §3.4."""
         x = x.astype(jnp.dtype(self.cfg.dtype))
         q, cq = causal_conv_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
         kk, ck = causal_conv_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)
@@ -158,7 +158,7 @@ class KDALayer(nn.Module):
         """``x [B, T, d]`` after the tokens ``cache`` has seen -> ``(y [B, T, d], new cache)``.
 
         Several tokens go through the chunked op with the cache as initial state; one token is a
-        decode step (the recurrence step, SPEC 3.4). State of another segment is dropped first.
+        decode step (the recurrence step, math §3.4). State of another segment is dropped first.
         """
         keep = context.conv_keep[..., None]
         cache = KDACache(*(jnp.where(keep, s, 0).astype(s.dtype) for s in cache[:3]),

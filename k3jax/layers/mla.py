@@ -1,4 +1,4 @@
-"""Multi-head latent attention (SPEC 4): expanded training path and absorbed latent-cache decode.
+"""Multi-head latent attention (math §4): expanded training path and absorbed latent-cache decode.
 
 Training runs through ``jax.nn.dot_product_attention`` with a causal, segment-aware mask. Decode
 attends over the cached normalised latent ``c`` and the shared ``k_rope`` (kv_lora + rope = 576

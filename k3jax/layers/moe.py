@@ -1,4 +1,4 @@
-"""The MoE feed-forward block: Stable LatentMoE (K3) and the plain MoE (K2 / Kimi Linear), SPEC 6.
+"""The MoE feed-forward block: Stable LatentMoE (K3) and the plain MoE (K2 / Kimi Linear), math §6.
 
 Collections besides ``params``:
 - ``'balance'``: ``bias [E]`` fp32, non-trainable; chooses experts, never weighs them. Changed only
@@ -13,7 +13,7 @@ Collections besides ``params``:
 Initialise with ``deterministic=True`` (init makes every collection mutable, so a training-mode
 init would also return statistics and a sown loss).
 
-The dispatch (SPEC 8) is looked up by ``MoEConfig.dispatch`` in :data:`DISPATCHES`, whose names are
+The dispatch (math §8) is looked up by ``MoEConfig.dispatch`` in :data:`DISPATCHES`, whose names are
 exactly the config's :data:`~k3jax.config.moe.Dispatch` values.
 """
 

@@ -1,4 +1,4 @@
-"""RMSNorm and the gated head-wise RMSNorm of the KDA output (SPEC 3.1 step 7)."""
+"""RMSNorm and the gated head-wise RMSNorm of the KDA output (math §3.1 step 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Residual rules: how a sub-layer reads the residual stream and writes its output back (SPEC 2, 5).
+"""Residual rules: how a sub-layer reads the residual stream and writes its output back (§2, 5).
 
 A rule is a small linen module per sub-layer with two methods, so the decoder layer never changes
 when the rule does:

@@ -1,4 +1,4 @@
-"""Gated activations of the feed-forward blocks (SPEC 6), computed in fp32."""
+"""Gated activations of the feed-forward blocks (math §6), computed in fp32."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention Residuals: the depth aggregation over earlier sources (SPEC 5).
+"""Attention Residuals: the depth aggregation over earlier sources (math §5).
 
 For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a key-norm weight
 ``g [d]``::
@@ -21,7 +21,7 @@ all in fp32, cast back to the sources' dtype once. Three forms live here, side b
   pseudo-queries batched against the completed blocks (max and log-sum-exp kept), then merged with
   the in-block partial sum by online softmax.
 
-The drivers :func:`attnres_reference` (SPEC 5's bookkeeping, literally),
+The drivers :func:`attnres_reference` (math §5's bookkeeping, literally),
 :func:`full_attnres_reference` (every sub-layer output its own source) and :func:`attnres_two_phase`
 run a whole stack of sub-layer functions; the tests hold them against each other and against the
 model's rule.
@@ -59,7 +59,7 @@ def _query(w: jax.Array, g: jax.Array) -> jax.Array:
 
 def depth_mix_reference(sources: Sequence[jax.Array], w: jax.Array, g: jax.Array,
                         eps: float) -> jax.Array:
-    """SPEC 5 aggregation over a list of ``[B, T, d]`` sources, written as the formula reads."""
+    """math §5 aggregation over a list of ``[B, T, d]`` sources, written as the formula reads."""
     v = jnp.stack([s.astype(_F32) for s in sources])                      # [n, B, T, d]
     k = v * _inv_rms(v, eps)[..., None] * g.astype(_F32)                  # RMSNorm_g(v_i)
     alpha = jax.nn.softmax(jnp.einsum("nbtd,d->nbt", k, w.astype(_F32), precision=_PREC), axis=0)
@@ -209,7 +209,7 @@ def _check_driver(sublayers, queries, norms) -> None:
 
 def attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
                       norms: jax.Array, block: int, eps: float) -> jax.Array:
-    """SPEC 5's Block AttnRes bookkeeping as written there; returns the input of the final norm.
+    """math §5's Block AttnRes bookkeeping as written there; returns the input of the final norm.
 
     ``queries``/``norms [L + 1, d]``: one per sub-layer, the last for the final aggregation.
     """

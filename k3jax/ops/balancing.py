@@ -1,4 +1,4 @@
-"""Expert load balancing (SPEC 7): statistics, MaxVio, and the bias update rules.
+"""Expert load balancing (math §7): statistics, MaxVio, and the bias update rules.
 
 The flow of one optimizer step (select with the old bias, update after):
 
@@ -217,7 +217,7 @@ def _update_one(bias: jax.Array, stats: dict, cfg) -> jax.Array:
 
 
 def update_bias(bias: jax.Array, stats: dict, cfg) -> jax.Array:
-    """The bias of the next step from this step's combined statistics (SPEC 7).
+    """The bias of the next step from this step's combined statistics (math §7).
 
     ``bias`` ``[..., E]`` fp32 with matching leading axes in ``stats``; ``cfg`` is the MoEConfig.
     QB replaces the bias by the mean-subtracted per-expert quantiles; aux-free adds

@@ -1,4 +1,4 @@
-"""Expert-parallel implementations of the MoE dispatch interface (SPEC 8), inside one ``shard_map``.
+"""Expert-parallel implementations of the MoE dispatch interface (§8), inside one ``shard_map``.
 
 Same inputs as :mod:`k3jax.ops.moe_dispatch` (``x [N, D]``, ``expert_ids [N, k]``, ``weights
 [N, k]``, ``ExpertWeights``, ``GLUSpec``), returning ``(y [N, D], dropped [] int32)``; the MoE block

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: the public op (SPEC 3.2-3.4) and its fail-closed dispatch.
+"""Kimi Delta Attention: the public op (math §3.2-3.4) and its fail-closed dispatch.
 
 Three implementations compute the same thing:
 
@@ -27,11 +27,11 @@ from k3jax.ops.kda_reference import kda_decode_step, kda_reference
 
 IMPLS = typing.get_args(KDAImpl)
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-L2_EPS = 1e-6  # SPEC 3.1 step 3: added to the sum of squares
+L2_EPS = 1e-6  # math §3.1 step 3: added to the sum of squares
 
 
 def l2_normalize(x, eps=L2_EPS):
-    """``x / sqrt(sum(x^2, -1) + eps)`` over the last axis (SPEC 3.1 step 3).
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last axis (math §3.1 step 3).
 
     Computed in fp32 and cast back to x's dtype. Shapes: ``[..., D]`` -> ``[..., D]``.
     """
@@ -127,7 +127,7 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 # ---------------------------------------------------------------------------------- public ops
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False):
-    """Kimi Delta Attention over whole sequences (SPEC 3.2), FLA layout.
+    """Kimi Delta Attention over whole sequences (math §3.2), FLA layout.
 
     Args:
       q, k: ``[B, T, H, K]``, already L2-normalised per head unless ``use_qk_l2norm``.
@@ -140,7 +140,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       segment_ids: optional integer ``[B, T]``; the state resets to zero where the id changes.
       chunk_size: chunk length ``C`` of the chunked and kernel paths, a power of two >= 16.
       impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"pallas"``.
-      use_qk_l2norm: L2-normalise q and k per head first (SPEC 3.1 step 3).
+      use_qk_l2norm: L2-normalise q and k per head first (math §3.1 step 3).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
@@ -168,7 +168,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
 
 def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
-    """One decode step (SPEC 3.4): the recurrence step for one new token of every sequence.
+    """One decode step (math §3.4): the recurrence step for one new token of every sequence.
 
     Args:
       q, k, g: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``; state: ``[B, H, K, V]`` (cast to

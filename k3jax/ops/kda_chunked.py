@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, chunked (SPEC 3.3) in pure JAX: the portable fast path.
+"""Kimi Delta Attention, chunked (math §3.3) in pure JAX: the portable fast path.
 
 The sequence is cut into chunks of ``C`` tokens. Inside a chunk every token-to-token interaction is
 a dense ``C x C`` matrix; only the ``K x V`` state is carried from chunk to chunk by a ``lax.scan``.
@@ -158,7 +158,7 @@ def _to_chunks(x, n, c):
 
 
 def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, chunk_size=64):
-    """KDA over whole sequences by the chunked algorithm (SPEC 3.3).
+    """KDA over whole sequences by the chunked algorithm (math §3.3).
 
     Args:
       q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; ``T`` need not be a

@@ -1,7 +1,7 @@
-"""Kimi Delta Attention, token by token: the recurrence of SPEC 3.2 and the test oracle.
+"""Kimi Delta Attention, token by token: the recurrence of math §3.2 and the test oracle.
 
 Every other KDA path (chunked JAX, Pallas kernel, decode) is checked against this file. It follows
-the five steps of SPEC 3.2 literally, in fp32, one token per ``lax.scan`` step:
+the five steps of math §3.2 literally, in fp32, one token per ``lax.scan`` step:
 
 1. ``S <- Diag(exp(g_t)) S``      decay each key row,
 2. ``p = S^T k_t``                 read with the decayed state,
@@ -29,7 +29,7 @@ def _compute_dtype(x):
 
 
 def kda_decode_step(q, k, v, g, beta, state, *, scale):
-    """One recurrence step (SPEC 3.2) for one token of every sequence.
+    """One recurrence step (math §3.2) for one token of every sequence.
 
     Args:
       q, k, g: ``[B, H, K]``; ``g`` is the log-decay (``<= 0``).
@@ -62,7 +62,7 @@ def segment_starts(segment_ids):
 
 
 def kda_reference(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
-    """KDA over whole sequences by the token-by-token recurrence (SPEC 3.2), in fp32.
+    """KDA over whole sequences by the token-by-token recurrence (math §3.2), in fp32.
 
     Args:
       q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.

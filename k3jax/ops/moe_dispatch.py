@@ -1,4 +1,4 @@
-"""The MoE dispatch interface: routed tokens in, weighted expert outputs out (SPEC 6 and 8).
+"""The MoE dispatch interface: routed tokens in, weighted expert outputs out (math §6 and 8).
 
 Every dispatch takes the same arguments::
 

@@ -1,4 +1,4 @@
-"""The sigmoid top-k router of the MoE and its auxiliary balance loss (SPEC 6 and 7).
+"""The sigmoid top-k router of the MoE and its auxiliary balance loss (math §6 and 7).
 
 Shapes: ``N`` routed tokens, ``E`` experts, ``k`` experts per token. Everything here runs in fp32:
 routing decisions made in bf16 flip on near-ties and make the balancing statistics noisy.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Added to the sum of the chosen scores before renormalising (SPEC 6), so an all-zero row stays
+# Added to the sum of the chosen scores before renormalising (math §6), so an all-zero row stays
 # finite.
 RENORM_EPS = 1e-20
 
@@ -53,7 +53,7 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int,
 
 def aux_balance_loss(scores: jax.Array, ids: jax.Array, alpha: float,
                      per_sequence: bool = False) -> jax.Array:
-    """DeepSeek-V3 balance loss ``alpha * E * sum_j f_j P_j`` (SPEC 7), a scalar fp32.
+    """DeepSeek-V3 balance loss ``alpha * E * sum_j f_j P_j`` (math §7), a scalar fp32.
 
     ``scores`` ``[B, T, E]`` (sigmoid scores), ``ids`` ``[B, T, k]``. ``f_j`` is expert j's fraction
     of the routed slots (a count: no gradient), ``P_j`` its mean share ``s_tj / sum_i s_ti``. With

@@ -1,4 +1,4 @@
-"""Numerical tolerance policy of SPEC section 10, shared by every test that compares two paths.
+"""Numerical tolerance policy of math §10, shared by every test that compares two paths.
 
 The metric is the relative RMS error ``rms(ref - out) / rms(ref)``, computed in fp64 on the host so
 the comparison itself adds no rounding.
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-# SPEC 10: same math in a different order (chunked vs recurrent, kernel vs chunked), fp32 inputs.
+# math §10: same math in a different order (chunked vs recurrent, kernel vs chunked), fp32 inputs.
 FP32_TOL = 1e-4
-# SPEC 10: bf16 inputs against an fp32 (or fp64) reference -- outputs and states.
+# math §10: bf16 inputs against an fp32 (or fp64) reference -- outputs and states.
 BF16_OUT_TOL = 5e-3
-# SPEC 10: bf16 inputs -- gradients w.r.t. q, k, v and the initial state.
+# math §10: bf16 inputs -- gradients w.r.t. q, k, v and the initial state.
 BF16_GRAD_QKV_TOL = 8e-3
-# SPEC 10: bf16 inputs -- gradients w.r.t. the gate (log-decay) and beta.
+# math §10: bf16 inputs -- gradients w.r.t. the gate (log-decay) and beta.
 BF16_GRAD_GATE_TOL = 2e-2
 
 
