@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from k3jax.config import ConfigError, ModelConfig
-from k3jax.config.experiment import load_config
+from k3jax.config.experiment import load_config, preset_path
 from k3jax.model import abstract_variables, logical_axes
 
 
@@ -96,6 +96,25 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, kda_convention: str = 
     return 3.0 * forward_flops_per_token(cfg, seq_len, kda_convention)
 
 
+# Dense bf16 peak per GPU (datasheet, without sparsity): the figure MFU is quoted against.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+    """The dense bf16 peak of a device kind (``jax.devices()[0].device_kind``), None if unknown."""
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
+
+
+def mfu_fn(cfg: ModelConfig, seq_len: int, device_kind: str, num_devices: int = 1):
+    """``tokens/s -> model FLOP utilisation`` over ``num_devices``, or None where the peak is
+    unknown (the CPU)."""
+    peak = peak_bf16_flops(device_kind)
+    if peak is None:
+        return None
+    flops = train_flops_per_token(cfg, seq_len)
+    return lambda tokens_per_s: flops * tokens_per_s / (peak * num_devices)
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     """MLA latent cache per token over all MLA layers (math §9): ``(kv_lora + rope) * bytes``."""
     m = cfg.mla
@@ -109,7 +128,6 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
 
 
 KDA_CONVENTIONS = ("paper", "implemented")
-_PRESETS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def accounting_rows(cfg: ModelConfig, seq_len: int) -> list[dict]:
@@ -170,13 +188,6 @@ def format_tables(name: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _preset_path(preset: str) -> Path:
-    path = Path(preset)
-    if path.is_file() or path.suffix == ".py":
-        return path
-    return _PRESETS / f"{preset}.py"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3jax.accounting",
                                      description="Parameters, FLOPs per token and cache sizes "
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
     try:
-        experiment = load_config(_preset_path(args.config))
+        experiment = load_config(preset_path(args.config))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

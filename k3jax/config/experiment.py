@@ -187,6 +187,17 @@ class ExperimentConfig:
 
 # -- loading ------------------------------------------------------------------------------------
 
+PRESETS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def preset_path(preset: str | Path) -> Path:
+    """A preset file as given, or a preset's name (``k3_small``) as its file in ``configs/``."""
+    path = Path(preset)
+    if path.is_file() or path.suffix in (".py", ".json"):
+        return path
+    return PRESETS / f"{preset}.py"
+
+
 def load_config(path: str | Path) -> ExperimentConfig:
     """Import a preset file and call its ``get_config()``; a ``.json`` file is a resolved config
     (a workdir's ``config.json``, e.g. one written by ``python -m k3jax.convert from-hf``)."""

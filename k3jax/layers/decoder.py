@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 import flax.linen as nn
+import jax
 
 from k3jax.config import ModelConfig
 from k3jax.layers.ffn import dense_ffn
@@ -53,13 +54,17 @@ class DecoderLayer(nn.Module):
 
         h = res_mixer.read(state, j)
         mixer = MIXERS[self.mixer](cfg)
-        if cache is None:
-            out = mixer(norm_mixer(h), segment_ids)
-        else:
-            out, cache = mixer.cached(norm_mixer(h), cache, context)
+        # The mixer's kind in the name stack: a profile can tell KDA ops from MLA ops (both
+        # modules are named "mixer"), likewise for the FFN.
+        with jax.named_scope(self.mixer):
+            if cache is None:
+                out = mixer(norm_mixer(h), segment_ids)
+            else:
+                out, cache = mixer.cached(norm_mixer(h), cache, context)
         state = res_mixer.write(state, out, j)
 
         h = res_ffn.read(state, j + 1)
-        out = FFNS[self.ffn](cfg)(norm_ffn(h), deterministic=deterministic)
+        with jax.named_scope(self.ffn):
+            out = FFNS[self.ffn](cfg)(norm_ffn(h), deterministic=deterministic)
         state = res_ffn.write(state, out, j + 1)
         return state if cache is None else (state, cache)

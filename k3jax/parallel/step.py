@@ -39,18 +39,32 @@ def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,
         return jax.jit(make_state, out_shardings=out)(params, balance)
 
 
-def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
+class MeshStep:
     """``step_fn(state, batch) -> (state, metrics)`` jitted over ``mesh``: the state keeps the
-    shardings it has now, every batch array is split on axis 0 over the batch axes."""
-    state_sh = shardings_of(state)
-    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules)),
-                     out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ())
+    shardings it has now, every batch array is split on axis 0 over the batch axes. Call it like
+    the step; :meth:`lower` gives the lowering (for compile timing, HLO text, memory analysis)."""
 
-    def run(state, batch):
-        with use_mesh(mesh, rules):
-            return jitted(state, batch)
+    def __init__(self, step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
+        state_sh = shardings_of(state)
+        self.jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules)),
+                              out_shardings=(state_sh, None),
+                              donate_argnums=(0,) if donate else ())
+        self.mesh, self.rules = mesh, rules
 
-    return run
+    def __call__(self, state, batch):
+        with use_mesh(self.mesh, self.rules):
+            return self.jitted(state, batch)
+
+    def trace(self, state, batch):
+        """``jax.jit(...).trace`` under the mesh (``.lower().compile()`` from there)."""
+        with use_mesh(self.mesh, self.rules):
+            return self.jitted.trace(state, batch)
+
+
+def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules,
+                 donate: bool = False) -> MeshStep:
+    """The training step jitted over ``mesh`` (:class:`MeshStep`)."""
+    return MeshStep(step_fn, state, mesh, rules, donate)
 
 
 def under_mesh(fn: Callable, mesh: Mesh, rules) -> Callable:
@@ -74,4 +88,4 @@ def batch_placement(mesh: Mesh, rules, global_batch: int) -> Callable[[dict], di
                                            global_batch)
 
 
-__all__ = ["batch_placement", "init_sharded_state", "sharded_step", "under_mesh"]
+__all__ = ["MeshStep", "batch_placement", "init_sharded_state", "sharded_step", "under_mesh"]

@@ -31,7 +31,6 @@ from k3jax.train.workdir import LOG_FILE, RunLog, check_workdir, lock_run
 
 # Fault injection for the resume test: SIGKILL this process right after this step is dispatched.
 KILL_ENV = "K3JAX_FAULT_KILL_AFTER_STEP"
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 EVAL_KEYS = ("loss", "bpb", "accuracy")  # what the metrics and the summary keep of an evaluation
 
 
@@ -313,11 +312,6 @@ def _logical_axes(model_cfg):
 
 def _mfu_fn(cfg):
     """tokens/s -> model FLOP utilisation, or None where the peak is unknown (CPU)."""
-    kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
-    if peak is None:
-        return None
-    from k3jax.accounting import train_flops_per_token
+    from k3jax.accounting import mfu_fn
 
-    flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    return lambda tps: flops * tps / (peak * jax.device_count())
+    return mfu_fn(cfg.model, cfg.data.seq_len, jax.devices()[0].device_kind, jax.device_count())

@@ -1,0 +1,182 @@
+"""Reading ``jax.profiler`` traces: the device's kernels, each tied to the HLO instruction that
+launched it, and that instruction's category and source (the model code it was traced from).
+
+A kernel event in an ``.xplane.pb`` file carries the name of its HLO instruction (the ``hlo_op``
+stat); the compiled module's text (``compiled.as_text()``) gives that instruction's opcode, fusion
+kind, custom-call target and ``op_name`` metadata, i.e. the JAX name stack of the code it came
+from. On the CPU the "kernels" are the XLA runtime's thunks, which carry the same stats, so the
+whole path runs (and is tested) without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+from dataclasses import dataclass
+
+from jax.profiler import ProfileData
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel execution on the device (or one thunk on the CPU)."""
+
+    name: str
+    start_ns: float
+    duration_ns: float
+    hlo_op: str | None
+
+
+@dataclass(frozen=True)
+class Instr:
+    """What the compiled HLO says of one instruction."""
+
+    opcode: str
+    kind: str | None  # fusion kind (kLoop, kInput, kOutput, kCustom)
+    target: str | None  # custom-call target
+    op_name: str  # JAX name stack, '' when XLA made the instruction itself
+
+
+def trace_files(paths: list[str]) -> list[str]:
+    """Files as given, directories searched for ``*.xplane.pb``."""
+    found = []
+    for p in paths:
+        found += (sorted(glob.glob(os.path.join(p, "**", "*.xplane.pb"), recursive=True))
+                  if os.path.isdir(p) else [p])
+    return found
+
+
+def device_kernels(path: str) -> dict[str, list[Kernel]]:
+    """``{plane: kernels}`` of one trace: every GPU's stream lines, or, in a CPU trace, the XLA
+    runtime's thunks (the events that name an HLO instruction)."""
+    data = ProfileData.from_file(path)
+    gpus = {p.name: p for p in data.planes if p.name.startswith("/device:GPU")}
+    if gpus:
+        return {name: [_kernel(e) for line in plane.lines if "stream" in line.name.lower()
+                       for e in line.events]
+                for name, plane in gpus.items()}
+    cpu = [p for p in data.planes if p.name == "/host:CPU"]
+    kernels = [k for p in cpu for line in p.lines for k in map(_kernel, line.events) if k.hlo_op]
+    return {"/host:CPU": kernels} if kernels else {}
+
+
+def _kernel(event) -> Kernel:
+    stats = dict(event.stats)
+    return Kernel(event.name, event.start_ns, event.duration_ns, stats.get("hlo_op"))
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+# The opcode follows the result shape: "f32[8]{0} fusion(" or "(f32[2], s32[]) while(".
+_OPCODE = re.compile(r"^(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, Instr]:
+    """``{instruction name: Instr}`` of every instruction in an HLO module's text."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m or line.lstrip().startswith(("HloModule", "//")):
+            continue
+        rest = m.group(2)
+        op = _OPCODE.match(rest)
+        if op is None:
+            continue
+        out[m.group(1)] = Instr(op.group(1), _field(r"kind=(k\w+)", rest),
+                                _field(r'custom_call_target="([^"]+)"', rest),
+                                _field(r'op_name="([^"]*)"', rest) or "")
+    return out
+
+
+def _field(pattern: str, text: str) -> str | None:
+    m = re.search(pattern, text)
+    return m.group(1) if m else None
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+_WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|rematted_computation|"
+                      r"custom_jvp_call|custom_vjp_call|while|body|cond|scan|shard_map|closed_call|"
+                      r"core_call|named)\b")
+_LAYER = re.compile(r"^(layer_\d+|block_\d+_scan|scanned_layers|K3Model.*|LayerGroup.*)$")
+
+
+def category(kernel: Kernel, instr: Instr | None) -> str:
+    """``matmul``, ``attention``, ``mosaic:<kernel>``, ``fusion``, ``copy``, ``memset``,
+    ``collective``, ``custom:<target>`` or ``other:<opcode>``."""
+    name = kernel.name.lower()
+    if "memset" in name:
+        return "memset"
+    if "memcpy" in name:
+        return "copy"
+    if instr is None:
+        return "other"
+    op, target = instr.opcode, (instr.target or "").lower()
+    if op.startswith(COLLECTIVES) or "nccl" in name:
+        return "collective"
+    if op == "custom-call":
+        if "mosaic" in target:
+            return f"mosaic:{_short(kernel.name)}"
+        if "fmha" in target or "attention" in target:
+            return "attention"
+        if "gemm" in target or "cublas" in target or "cudnn" in target:
+            return "matmul"
+        return f"custom:{target}"
+    if op in ("dot", "convolution") or (op == "fusion" and ("gemm" in name or "dot" in name
+                                                           or instr.kind == "kCustom")):
+        return "matmul"
+    if op == "fusion":
+        return "fusion"
+    if op in ("copy", "copy-start", "copy-done", "transpose", "dynamic-update-slice"):
+        return "copy"
+    return f"other:{op}"
+
+
+def _short(kernel_name: str) -> str:
+    return re.sub(r"[_.]?\d+$", "", kernel_name)[:60]
+
+
+def source(op_name: str) -> tuple[str, str]:
+    """``(pass, scope)`` of a JAX name stack: ``bwd`` when it runs inside a transpose (the
+    backward pass), and the outermost model scope (the layer kind: ``kda``, ``mla``, ``moe``,
+    ``dense``, or e.g. ``final_residual``) with the innermost scope and the primitive, transforms
+    and layer indices dropped (``mla/kv_norm/mul``), so every layer's copy adds up."""
+    if not op_name:
+        return "-", "(made by XLA)"
+    parts = op_name.split("/")
+    backward = any(p.startswith("transpose(") for p in parts)
+    kept = [p for p in parts if not _WRAPPER.match(p) and not _LAYER.match(p)]
+    scope = kept if len(kept) <= 3 else [kept[0], *kept[-2:]]
+    return ("bwd" if backward else "fwd"), "/".join(scope) or parts[-1]
+
+
+def busy_ns(kernels: list[Kernel]) -> float:
+    """Time during which at least one kernel ran (overlapping kernels counted once)."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k.start_ns):
+        stop = k.start_ns + k.duration_ns
+        if stop > end:
+            total += stop - max(k.start_ns, end)
+            end = stop
+    return total
+
+
+def summarize(kernels: list[Kernel], instrs: dict[str, Instr]) -> dict:
+    """Totals by category and by (category, pass, source), over all ``kernels``:
+    ``{"kernel_ns", "busy_ns", "span_ns", "categories": Counter, "sources": Counter,
+    "ops": {(kernel, hlo_op): [ns, calls, category, pass, source]}}``."""
+    cats, srcs, ops = collections.Counter(), collections.Counter(), {}
+    for k in kernels:
+        instr = instrs.get(k.hlo_op) if k.hlo_op else None
+        cat = category(k, instr)
+        where, scope = source(instr.op_name if instr else "")
+        cats[cat] += k.duration_ns
+        srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
+        row = ops.setdefault((k.name, k.hlo_op), [0.0, 0, cat, where, scope])
+        row[0] += k.duration_ns
+        row[1] += 1
+    span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
+            if kernels else 0.0)
+    return {"kernel_ns": sum(cats.values()), "busy_ns": busy_ns(kernels), "span_ns": span,
+            "categories": cats, "sources": srcs, "ops": ops}

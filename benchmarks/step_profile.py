@@ -1,0 +1,187 @@
+"""Where a preset's train step spends its device time: a profiler trace of the step ``train.py``
+runs, every kernel tied to the HLO instruction and the model code it came from.
+
+The step is built as the training loop builds it (the preset's mesh, sharded state, donated
+buffers, its micro-batches and optimiser) on random tokens. The script times the compile stages
+(trace, lower, XLA compile) and the first call, runs ``--warmup`` steps, times ``--steps`` steps
+(tokens/s, MFU as ``train.py`` counts it), then traces ``--trace-steps`` more. JSON lines::
+
+    {"bench": "step_profile", "preset", "tokens_per_s", "step_ms", "mfu", "compile_s", ...,
+     "busy_ms", "gap_ms", "temp_GiB"}                  # per step; gap = device idle inside a step
+    {"category": "matmul" | "attention" | "mosaic:<kernel>" | "fusion" | "copy" | "memset" |
+     "collective" | ..., "ms": ..., "share": ..., "kernels": ...}   # per step, share of busy time
+    {"source": "MLALayer/kv_norm/mul", "category": "fusion", "pass": "fwd" | "bwd", "ms", "share"}
+
+then a short table. A source is the JAX name stack of the instruction (``op_name`` metadata) with
+transforms and layer indices dropped, so the same op in every layer adds up; ``bwd`` marks the
+backward pass; ``(made by XLA)`` are instructions XLA added itself (layout copies, loop carries).
+``--out DIR`` also writes ``ops.jsonl`` there (every distinct kernel with its instruction,
+category, source and time per step); ``--keep-trace`` keeps the trace under it too.
+
+    PYTHONPATH=. python benchmarks/step_profile.py --config k3_small        # one GPU, its batch
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_profile.py --config k3_tiny \\
+        --batch 2 --seq 64 --steps 1 --trace-steps 1                        # the CPU's thunks
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+from _timing import emit
+from _trace import device_kernels, hlo_instructions, summarize, trace_files
+
+from k3jax.accounting import mfu_fn
+from k3jax.config.experiment import apply_overrides, load_config, preset_path
+from k3jax.model import K3Model, abstract_variables, logical_axes
+from k3jax.parallel import batch_placement, init_sharded_state, make_mesh, sharded_step
+from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.step import BATCH_KEYS, init_state, make_train_step
+
+
+def build(cfg):
+    """``(step, state, batch)``: the loop's jitted step, a fresh sharded state, a random batch."""
+    micro = cfg.data.batch_size // cfg.train.micro_batches
+    shape = (micro, cfg.data.seq_len)
+    mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
+    params = abstract_variables(cfg.model, shape)["params"]
+    optimizer = build_optimizer(cfg.optim, cfg.train.steps, params,
+                                logical_axes(cfg.model, shape)["params"])
+    state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
+                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed), shape)
+    step_fn = make_train_step(K3Model(cfg.model), optimizer, schedule(cfg.optim, cfg.train.steps),
+                              cfg.train.micro_batches, cfg.model.moe)
+    step = sharded_step(step_fn, state, mesh, rules, donate=jax.default_backend() != "cpu")
+    rng = np.random.default_rng(0)
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
+    host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": np.zeros((b, t), np.int32), "weights": np.ones((b, t), np.float32)}
+    batch = batch_placement(mesh, rules, b)({k: host[k] for k in BATCH_KEYS})
+    return step, state, batch
+
+
+def compile_step(step, state, batch) -> tuple[object, dict]:
+    """The compiled step and the seconds of each stage, XLA's temporaries and the HLO text."""
+    t0 = time.perf_counter()
+    traced = step.trace(state, batch)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    return compiled, {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
+                      "compile_s": round(t3 - t2, 2),
+                      "temp_GiB": None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2),
+                      "hlo": compiled.as_text()}
+
+
+def run_steps(compiled, state, batch, n: int):
+    """``n`` steps, blocking once at the end; -> (state, seconds)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    return state, time.perf_counter() - t0
+
+
+def profile(compiled, state, batch, steps: int, trace_dir: str, hlo: str) -> dict:
+    """Trace ``steps`` steps into ``trace_dir`` and summarise the first device's kernels."""
+    with jax.profiler.trace(trace_dir):
+        state, _ = run_steps(compiled, state, batch, steps)
+    planes = {}
+    for path in trace_files([trace_dir]):
+        for plane, kernels in device_kernels(path).items():
+            planes.setdefault(plane, []).extend(kernels)
+    if not planes:
+        raise RuntimeError(f"no device kernels in the trace under {trace_dir}")
+    return summarize(planes[sorted(planes)[0]], hlo_instructions(hlo))
+
+
+def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
+    """The category and source lines (per step), the table, and ``ops.jsonl`` in ``out_dir``."""
+    busy = summary["kernel_ns"] or 1.0
+    per = lambda ns: round(ns / steps / 1e6, 3)
+    counts = {}
+    for (_, _), (_, calls, cat, _, _) in summary["ops"].items():
+        counts[cat] = counts.get(cat, 0) + calls // steps
+    for cat, ns in summary["categories"].most_common():
+        emit({"category": cat, "ms": per(ns), "share": round(ns / busy, 4),
+              "kernels": counts.get(cat, 0)})
+    for (cat, where, scope), ns in summary["sources"].most_common(top):
+        emit({"source": scope, "category": cat, "pass": where, "ms": per(ns),
+              "share": round(ns / busy, 4)})
+    if out_dir:
+        with open(f"{out_dir}/ops.jsonl", "w") as f:
+            for (name, op), (ns, calls, cat, where, scope) in sorted(
+                    summary["ops"].items(), key=lambda kv: -kv[1][0]):
+                f.write(json.dumps({"kernel": name[:200], "hlo_op": op, "category": cat,
+                                    "pass": where, "source": scope, "ms": per(ns),
+                                    "calls": calls // steps}) + "\n")
+    print(f"\n{'category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)
+    for cat, ns in summary["categories"].most_common(12):
+        print(f"{cat[:33]:<34}{per(ns):>10.2f}{ns / busy:>8.1%}", file=sys.stderr)
+    print(f"\n{'source':<58}{'pass':>5}{'ms/step':>10}{'share':>8}", file=sys.stderr)
+    for (cat, where, scope), ns in summary["sources"].most_common(min(top, 20)):
+        print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}",
+              file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="k3_small", help="a preset's name or a config file")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--batch", type=int, help="global batch (default: the preset's)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (untraced)")
+    ap.add_argument("--trace-steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=30, help="source lines to print")
+    ap.add_argument("--out", help="directory for ops.jsonl")
+    ap.add_argument("--keep-trace", action="store_true", help="keep the trace under --out")
+    args = ap.parse_args(argv)
+    cfg = apply_overrides(load_config(preset_path(args.config)), args.overrides)
+    data = dataclasses.replace(cfg.data, batch_size=args.batch or cfg.data.batch_size,
+                               seq_len=args.seq or cfg.data.seq_len)
+    cfg = dataclasses.replace(cfg, data=data)
+    if data.batch_size % cfg.train.micro_batches:
+        ap.error(f"--batch {data.batch_size} is not divisible by "
+                 f"train.micro_batches={cfg.train.micro_batches}")
+
+    t0 = time.perf_counter()
+    step, state, batch = build(cfg)
+    setup_s = time.perf_counter() - t0
+    compiled, stages = compile_step(step, state, batch)
+    hlo = stages.pop("hlo")
+    state, first_s = run_steps(compiled, state, batch, 1)
+    state, _ = run_steps(compiled, state, batch, args.warmup)
+    state, seconds = run_steps(compiled, state, batch, args.steps)
+    step_s = seconds / max(args.steps, 1)
+    tokens = data.batch_size * data.seq_len
+    mfu = mfu_fn(cfg.model, data.seq_len, jax.devices()[0].device_kind, jax.device_count())
+    if args.keep_trace and not args.out:
+        ap.error("--keep-trace needs --out")
+    with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
+        trace_dir = f"{args.out}/trace" if args.keep_trace else tmp
+        summary = profile(compiled, state, batch, args.trace_steps, trace_dir, hlo)
+    per_step = lambda ns: round(ns / args.trace_steps / 1e6, 3)
+    emit({"bench": "step_profile", "preset": args.config, "overrides": args.overrides,
+          "batch": data.batch_size, "seq": data.seq_len, "micro_batches": cfg.train.micro_batches,
+          "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+          "tokens_per_s": round(tokens / step_s), "step_ms": round(step_s * 1e3, 2),
+          "mfu": None if mfu is None else round(mfu(tokens / step_s), 4),
+          "setup_s": round(setup_s, 2), **stages, "first_call_s": round(first_s, 2),
+          "busy_ms": per_step(summary["busy_ns"]), "kernel_ms": per_step(summary["kernel_ns"]),
+          "gap_ms": per_step(summary["span_ns"] - summary["busy_ns"])})
+    report(summary, args.trace_steps, args.top, args.out)
+
+
+if __name__ == "__main__":
+    main()
