@@ -63,15 +63,17 @@ bench-moe:
 	    --gmm mosaic --iters 5 --repeats 3 --out $(BENCH_OUT)/moe.jsonl \
 	    2>&1 | tee $(BENCH_OUT)/moe_dispatch.log
 
-# One GPU: each sub-layer kind, the optimiser and the whole step of k3_small timed at its
-# micro-batch, then 30 training steps of k3_small (tokens/s, MFU, first-step compile time in the
-# run's metrics.jsonl). CORPUS=DIR trains on a corpus built by `python -m k3jax.data build`.
+# One GPU: k3_small's train step profiled (compile stages, tokens/s, MFU, device time by category
+# and model source; ops.jsonl and the HLO in $(BENCH_OUT)/profile), then 30 training steps of
+# k3_small (tokens/s, MFU, first-step time in the run's metrics.jsonl). CORPUS=DIR trains on a
+# corpus built by `python -m k3jax.data build`.
 bench-train:
 	@$(RECORD_ENV)
 	set -o pipefail; export $(GPU_ENV) CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$(CURDIR); \
 	  rm -rf $(BENCH_OUT)/k3_small; \
-	  python3 benchmarks/step_breakdown.py 2>&1 | tee $(BENCH_OUT)/step_breakdown.log \
-	    | grep '^{' > $(BENCH_OUT)/step_breakdown.jsonl; \
+	  mkdir -p $(BENCH_OUT)/profile; python3 benchmarks/step_profile.py --config k3_small \
+	    --out $(BENCH_OUT)/profile 2>&1 | tee $(BENCH_OUT)/step_profile.log \
+	    | grep '^{' > $(BENCH_OUT)/step_profile.jsonl; \
 	  python3 train.py --config configs/k3_small.py --workdir $(BENCH_OUT)/k3_small \
 	    $(if $(CORPUS),--set data.data_dir=$(CORPUS)) --set train.steps=30 --set eval.batches=2 \
 	    --set eval.tasks= --set eval.every=1000 --set checkpoint.every=1000 \

@@ -102,6 +102,22 @@ _WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|rematted_
 _LAYER = re.compile(r"^(layer_\d+|block_\d+_scan|scanned_layers|K3Model.*|LayerGroup.*)$")
 
 
+def instruction_of(kernel: Kernel, instrs: dict[str, Instr]) -> Instr | None:
+    """The HLO instruction that launched ``kernel``. Inside a command buffer (a CUDA graph XLA
+    records for a run of thunks) the ``hlo_op`` stat names the buffer, not the instruction; the
+    kernel of a fusion is then named after it, ``.`` written as ``_`` (``loop_add_fusion_3`` for
+    ``loop_add_fusion.3``)."""
+    for name in (kernel.hlo_op, kernel.name, re.sub(r"_(\d+)$", r".\1", kernel.name)):
+        if name and name in instrs:
+            return instrs[name]
+    return None
+
+
+# Library matmul kernels by name (cuBLAS, cuBLASLt's nvjet, CUTLASS): in a command buffer they
+# have no instruction to look up.
+_GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma")
+
+
 def category(kernel: Kernel, instr: Instr | None) -> str:
     """``matmul``, ``attention``, ``mosaic:<kernel>``, ``fusion``, ``copy``, ``memset``,
     ``collective``, ``custom:<target>`` or ``other:<opcode>``."""
@@ -110,8 +126,10 @@ def category(kernel: Kernel, instr: Instr | None) -> str:
         return "memset"
     if "memcpy" in name:
         return "copy"
+    if name.endswith("_mosaic_gpu_kernel"):
+        return f"mosaic:{kernel.name[:-len('_mosaic_gpu_kernel')]}"
     if instr is None:
-        return "other"
+        return "matmul" if _GEMM_KERNEL.search(name) else "other"
     op, target = instr.opcode, (instr.target or "").lower()
     if op.startswith(COLLECTIVES) or "nccl" in name:
         return "collective"
@@ -168,7 +186,7 @@ def summarize(kernels: list[Kernel], instrs: dict[str, Instr]) -> dict:
     "ops": {(kernel, hlo_op): [ns, calls, category, pass, source]}}``."""
     cats, srcs, ops = collections.Counter(), collections.Counter(), {}
     for k in kernels:
-        instr = instrs.get(k.hlo_op) if k.hlo_op else None
+        instr = instruction_of(k, instrs)
         cat = category(k, instr)
         where, scope = source(instr.op_name if instr else "")
         cats[cat] += k.duration_ns

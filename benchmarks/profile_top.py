@@ -11,37 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 
 from _timing import emit
-from jax.profiler import ProfileData
-
-
-def kernel_times(path: str) -> dict[str, collections.Counter]:
-    """``{device plane: Counter(kernel name -> total ns)}`` of one ``.xplane.pb`` file."""
-    data = ProfileData.from_file(path)
-    planes = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        totals = collections.Counter()
-        for line in plane.lines:
-            if "stream" not in line.name.lower():
-                continue
-            for event in line.events:
-                totals[event.name] += event.duration_ns
-        planes[plane.name] = totals
-    return planes
-
-
-def traces(paths: list[str]) -> list[str]:
-    """Files as given, directories searched for ``*.xplane.pb``."""
-    found = []
-    for p in paths:
-        found += (sorted(glob.glob(os.path.join(p, "**", "*.xplane.pb"), recursive=True))
-                  if os.path.isdir(p) else [p])
-    return found
+from _trace import device_kernels, trace_files
 
 
 def main(argv=None) -> None:
@@ -49,8 +22,11 @@ def main(argv=None) -> None:
     p.add_argument("paths", nargs="+", help=".xplane.pb files or directories holding them")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
-    for path in traces(args.paths):
-        for plane, totals in kernel_times(path).items():
+    for path in trace_files(args.paths):
+        for plane, kernels in device_kernels(path).items():
+            totals = collections.Counter()
+            for k in kernels:
+                totals[k.name] += k.duration_ns
             busy = sum(totals.values())
             emit({"trace": os.path.basename(path), "plane": plane, "busy_ms": busy / 1e6,
                   "kernels": len(totals)})

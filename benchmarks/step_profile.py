@@ -16,7 +16,8 @@ then a short table. A source is the JAX name stack of the instruction (``op_name
 transforms and layer indices dropped, so the same op in every layer adds up; ``bwd`` marks the
 backward pass; ``(made by XLA)`` are instructions XLA added itself (layout copies, loop carries).
 ``--out DIR`` also writes ``ops.jsonl`` there (every distinct kernel with its instruction,
-category, source and time per step); ``--keep-trace`` keeps the trace under it too.
+category, source and time per step) and ``hlo.txt.gz`` (the compiled module, whose instruction
+names ``ops.jsonl`` refers to); ``--keep-trace`` keeps the trace under it too.
 
     PYTHONPATH=. python benchmarks/step_profile.py --config k3_small        # one GPU, its batch
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_profile.py --config k3_tiny \\
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import sys
 import tempfile
@@ -87,8 +89,8 @@ def run_steps(compiled, state, batch, n: int):
     """``n`` steps, blocking once at the end; -> (state, seconds)."""
     t0 = time.perf_counter()
     for _ in range(n):
-        state, metrics = compiled(state, batch)
-    jax.block_until_ready((state, metrics))
+        state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
     return state, time.perf_counter() - t0
 
 
@@ -181,6 +183,9 @@ def main(argv=None) -> None:
           "busy_ms": per_step(summary["busy_ns"]), "kernel_ms": per_step(summary["kernel_ns"]),
           "gap_ms": per_step(summary["span_ns"] - summary["busy_ns"])})
     report(summary, args.trace_steps, args.top, args.out)
+    if args.out:
+        with gzip.open(f"{args.out}/hlo.txt.gz", "wt") as f:
+            f.write(hlo)
 
 
 if __name__ == "__main__":

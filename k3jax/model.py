@@ -26,6 +26,7 @@ from k3jax.layers.decoder import DecoderLayer
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import constrain, normal
 from k3jax.layers.residual import initial_state, join_state, make_final_read, settle, split_state
+from k3jax.ops.head import head_logits
 from k3jax.stack import StackPlan, plan_segments
 
 # The residual stream is split by batch only: the d axis stays whole (its "embed" rule is for
@@ -101,8 +102,7 @@ class K3Model(nn.Module):
         h = constrain(h, ACTIVATION_AXES)
         head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
                           (cfg.d_model, cfg.vocab_size), pdt)
-        logits = jnp.einsum("btd,dv->btv", h.astype(cdt), head.astype(cdt),
-                            preferred_element_type=jnp.float32)
+        logits = head_logits(h.astype(cdt), head.astype(cdt))
         logits = constrain(logits, ("batch", "length", "vocab"))
         return logits if caches is None else (logits, new_caches)
 

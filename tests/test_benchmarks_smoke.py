@@ -32,15 +32,23 @@ def _run(args: list[str], timeout: int = 600) -> list[dict]:
     return rows
 
 
-def test_step_breakdown_runs_on_cpu():
-    rows = _run(["benchmarks/step_breakdown.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "2",
-                 "--seq", "32", "--iters", "1", "--repeats", "1",
-                 "--skip", "kda_op,dense_ffn,train_step"])
-    parts = {r["part"]: r for r in rows if "part" in r}
-    assert {"kda_mixer", "mla_mixer", "moe_ffn", "lm_head", "optimizer", "model_grad"} <= set(parts)
-    assert all(r["ms"] > 0 for name, r in parts.items() if name != "remainder")
-    # A share, not a speed: timings on a shared CPU say nothing, only that the field is computed.
-    assert parts["kda_mixer"]["share_of_grad"] > 0
+def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
+    """The step profiler on the CPU's thunks: every kernel found in the compiled module, the
+    layer kinds' named scopes in the sources, and the files it writes."""
+    rows = _run(["benchmarks/step_profile.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "2",
+                 "--seq", "32", "--warmup", "0", "--steps", "1", "--trace-steps", "1",
+                 "--out", str(tmp_path)])
+    (head,) = [r for r in rows if r.get("bench") == "step_profile"]
+    assert head["tokens_per_s"] > 0 and head["busy_ms"] > 0 and head["compile_s"] > 0
+    cats = {r["category"]: r for r in rows if "category" in r and "source" not in r}
+    assert {"matmul", "fusion"} <= set(cats)
+    assert "other" not in cats  # no kernel without its instruction
+    assert abs(sum(r["share"] for r in cats.values()) - 1) < 1e-3
+    scopes = {r["source"].split("/")[0] for r in rows if "source" in r}
+    assert {"kda", "mla", "moe"} <= scopes, scopes
+    ops = [json.loads(line) for line in (tmp_path / "ops.jsonl").read_text().splitlines()]
+    assert ops and all(op["calls"] >= 1 for op in ops)
+    assert (tmp_path / "hlo.txt.gz").stat().st_size > 0
 
 
 def test_moe_benchmark_step_runs_on_two_cpu_devices():

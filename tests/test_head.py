@@ -1,0 +1,54 @@
+"""The output head's fast backward (k3jax/ops/head.py) against the product in fp64.
+
+Forward: exactly the plain fp32-accumulated product. Backward: the cotangent rounded to bf16, both
+products in bf16 with fp32 accumulation, within math §10's bf16 gradient tolerance of the fp32
+reference; ``dW`` is returned in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.head import head_logits
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, rel_rms
+
+
+def _inputs(seed: int, b=2, t=8, d=32, v=48):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(k1, (b, t, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k2, (d, v), jnp.float32) * 0.2).astype(jnp.bfloat16)
+    targets = jax.random.randint(k3, (b, t), 0, v)
+    return h, w, targets
+
+
+def _loss(logits, targets):
+    return jnp.mean(jax.nn.logsumexp(logits, -1)
+                    - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
+
+
+def test_forward_is_the_plain_product():
+    h, w, _ = _inputs(0)
+    plain = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    out = head_logits(h, w)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+
+
+def test_gradients_match_fp64_within_bf16_tolerance():
+    h, w, targets = _inputs(1)
+    with jax.enable_x64(True):
+        ref = jax.grad(lambda a, b: _loss(jnp.einsum("btd,dv->btv", a, b), targets),
+                       argnums=(0, 1))(h.astype(jnp.float64), w.astype(jnp.float64))
+    dh, dw = jax.grad(lambda a, b: _loss(head_logits(a, b), targets), argnums=(0, 1))(h, w)
+    assert dh.dtype == h.dtype and dw.dtype == w.dtype
+    assert rel_rms(ref[0], dh) <= BF16_GRAD_QKV_TOL, rel_rms(ref[0], dh)
+    assert rel_rms(ref[1], dw) <= BF16_GRAD_QKV_TOL, rel_rms(ref[1], dw)
+
+
+def test_fp32_weights_get_fp32_gradients():
+    h, w, targets = _inputs(2)
+    w32 = w.astype(jnp.float32)
+    dw = jax.grad(lambda b: _loss(head_logits(h, b.astype(h.dtype)), targets))(w32)
+    assert dw.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(dw)))
