@@ -9,6 +9,8 @@ copy of the model on one device at any point).
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -43,9 +45,23 @@ def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array,
     """``init_variables`` jitted with ``out_shardings`` from the rules: parameters are created
     already sharded over ``mesh``."""
     shardings = variable_shardings(model_cfg, mesh, rules)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), _threefry_as_one_kernel(mesh.size == 1):
         return jax.jit(lambda r: init_variables(model_cfg, r, batch_shape),
                        out_shardings=shardings)(rng)
+
+
+@contextlib.contextmanager
+def _threefry_as_one_kernel(enable: bool):
+    """On one GPU, lower the random-number generator to its CUDA kernel while initialising: the
+    same bits, but XLA otherwise expands threefry inline for every distinct weight shape and the
+    init compiles for over a minute (k3_small on an H200). Over several devices the inline form
+    stays: it is what lets each device draw only its own shards."""
+    old = jax.config.jax_threefry_gpu_kernel_lowering
+    jax.config.update("jax_threefry_gpu_kernel_lowering", enable or old)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_threefry_gpu_kernel_lowering", old)
 
 
 def _path_keys(path) -> tuple:
