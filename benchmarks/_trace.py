@@ -98,7 +98,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
                "ragged-all-to-all")
 _WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|rematted_computation|"
                       r"custom_jvp_call|custom_vjp_call|while|body|cond|scan|shard_map|closed_call|"
-                      r"core_call|named)\b")
+                      r"core_call|named|eval_jaxpr)\b")
 _LAYER = re.compile(r"^(layer_\d+|block_\d+_scan|scanned_layers|K3Model.*|LayerGroup.*)$")
 
 

@@ -27,7 +27,9 @@ names ``ops.jsonl`` refers to); ``--keep-trace`` keeps the trace under it too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import gzip
 import json
 import sys
@@ -39,10 +41,11 @@ import numpy as np
 from _timing import emit
 from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
-from k3jax.accounting import mfu_fn
+from k3jax.accounting import count_params, mfu_fn
 from k3jax.config.experiment import apply_overrides, load_config, preset_path
 from k3jax.model import K3Model, abstract_variables, logical_axes
 from k3jax.parallel import batch_placement, init_sharded_state, make_mesh, sharded_step
+from k3jax.sweep.ladder import scale_width
 from k3jax.train.optim import build_optimizer, schedule
 from k3jax.train.step import BATCH_KEYS, init_state, make_train_step
 
@@ -136,10 +139,31 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
               file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _exclusive(path: str | None):
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _peak_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else round(peak / 2**30, 2)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_small", help="a preset's name or a config file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--width", type=int, help="d_model of the preset scaled by the sweep "
+                    "ladder's width rule (heads, FFN and latent widths in proportion)")
     ap.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     ap.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -148,8 +172,13 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=30, help="source lines to print")
     ap.add_argument("--out", help="directory for ops.jsonl")
     ap.add_argument("--keep-trace", action="store_true", help="keep the trace under --out")
+    ap.add_argument("--serialize-with", metavar="FILE",
+                    help="time and trace only while holding an exclusive lock on FILE: several "
+                         "profiles can compile side by side and still run their steps alone")
     args = ap.parse_args(argv)
     cfg = apply_overrides(load_config(preset_path(args.config)), args.overrides)
+    if args.width:
+        cfg = dataclasses.replace(cfg, model=scale_width(cfg.model, args.width, multiple=64))
     data = dataclasses.replace(cfg.data, batch_size=args.batch or cfg.data.batch_size,
                                seq_len=args.seq or cfg.data.seq_len)
     cfg = dataclasses.replace(cfg, data=data)
@@ -162,26 +191,31 @@ def main(argv=None) -> None:
     setup_s = time.perf_counter() - t0
     compiled, stages = compile_step(step, state, batch)
     hlo = stages.pop("hlo")
-    state, first_s = run_steps(compiled, state, batch, 1)
-    state, _ = run_steps(compiled, state, batch, args.warmup)
-    state, seconds = run_steps(compiled, state, batch, args.steps)
+    if args.keep_trace and not args.out:
+        ap.error("--keep-trace needs --out")
+    with _exclusive(args.serialize_with), \
+            tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
+        state, first_s = run_steps(compiled, state, batch, 1)
+        state, _ = run_steps(compiled, state, batch, args.warmup)
+        state, seconds = run_steps(compiled, state, batch, args.steps)
+        trace_dir = f"{args.out}/trace" if args.keep_trace else tmp
+        summary = profile(compiled, state, batch, args.trace_steps, trace_dir, hlo)
     step_s = seconds / max(args.steps, 1)
     tokens = data.batch_size * data.seq_len
     mfu = mfu_fn(cfg.model, data.seq_len, jax.devices()[0].device_kind, jax.device_count())
-    if args.keep_trace and not args.out:
-        ap.error("--keep-trace needs --out")
-    with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
-        trace_dir = f"{args.out}/trace" if args.keep_trace else tmp
-        summary = profile(compiled, state, batch, args.trace_steps, trace_dir, hlo)
     per_step = lambda ns: round(ns / args.trace_steps / 1e6, 3)
+    params = count_params(cfg.model)
     emit({"bench": "step_profile", "preset": args.config, "overrides": args.overrides,
+          "d_model": cfg.model.d_model, "params_total": params.total,
+          "params_active": params.active,
           "batch": data.batch_size, "seq": data.seq_len, "micro_batches": cfg.train.micro_batches,
           "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
           "tokens_per_s": round(tokens / step_s), "step_ms": round(step_s * 1e3, 2),
           "mfu": None if mfu is None else round(mfu(tokens / step_s), 4),
           "setup_s": round(setup_s, 2), **stages, "first_call_s": round(first_s, 2),
           "busy_ms": per_step(summary["busy_ns"]), "kernel_ms": per_step(summary["kernel_ns"]),
-          "gap_ms": per_step(summary["span_ns"] - summary["busy_ns"])})
+          "gap_ms": per_step(summary["span_ns"] - summary["busy_ns"]),
+          "peak_GiB": _peak_gib()})
     report(summary, args.trace_steps, args.top, args.out)
     if args.out:
         with gzip.open(f"{args.out}/hlo.txt.gz", "wt") as f:

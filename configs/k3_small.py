@@ -19,6 +19,9 @@ def model_config() -> ModelConfig:
                       balancing="quantile_hist"),
         residual=ResidualConfig(kind="attnres", block_size_layers=3),
         rms_eps=1e-5,
+        # Blocks of 3 layers leave scans of only 2 repeats, whose stacked residuals and loop
+        # copies took a fifth of the step on an H200 (docs/benchmarks.md): all 12 layers unrolled.
+        scan_layers=False,
     )
 
 

@@ -80,6 +80,10 @@ class MLAConfig:
             positive(self, "q_lora_rank")
         if self.rope and self.qk_rope_head_dim % 2:
             fail(self, "qk_rope_head_dim", self.qk_rope_head_dim, "RoPE needs an even width")
+        if self.v_head_dim > self.qk_head_dim:
+            fail(self, "v_head_dim", self.v_head_dim,
+                 f"at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} (XLA's "
+                 "attention pads values to the query width)")
 
     @property
     def qk_head_dim(self) -> int:

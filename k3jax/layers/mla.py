@@ -1,6 +1,7 @@
 """Multi-head latent attention (math §4): expanded training path and absorbed latent-cache decode.
 
-Training runs through ``jax.nn.dot_product_attention`` with a causal, segment-aware mask. Decode
+Training runs through :func:`k3jax.ops.attention.causal_attention` (cuDNN's fused causal kernel on
+Hopper GPUs) with a causal, segment-aware mask. Decode
 attends over the cached normalised latent ``c`` and the shared ``k_rope`` (kv_lora + rope = 576
 values per token in K3) with ``W_kvb``'s key part folded into the query.
 """
@@ -18,6 +19,7 @@ from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
 from k3jax.layers.rope import apply_rope, segment_positions
+from k3jax.ops.attention import causal_attention
 
 
 class MLACache(NamedTuple):
@@ -117,13 +119,16 @@ class MLALayer(nn.Module):
         pos = segment_positions(segment_ids, b, t)
         q_nope, q_rope = self._query(x, pos)
         c, k_rope = self._latent(x, pos)
-        o = self._expanded_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t))
+        o = self._expanded_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t),
+                                  causal=True)
         return self._output(x, o)
 
-    def _expanded_attend(self, q_nope, q_rope, c, k_rope, mask):
+    def _expanded_attend(self, q_nope, q_rope, c, k_rope, mask, causal: bool = False):
         """Keys and values expanded from the latent through ``W_kvb``, then attention.
 
         ``q_* [B, Tq, H, .]``, ``c [B, S, L]``, ``k_rope [B, S, R]``, ``mask [B, 1, Tq, S]``.
+        ``causal``: queries and keys are the same positions and ``mask`` includes the causal mask
+        (the training path: a fused causal kernel where there is one, k3jax/ops/attention.py).
         Returns ``o [B, Tq, H, v]`` in the compute dtype.
         """
         m = self.cfg.mla
@@ -132,11 +137,10 @@ class MLALayer(nn.Module):
         q = jnp.concatenate([q_nope, q_rope], -1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3]
                                                       + k_rope.shape[-1:])], -1)
-        # dot_product_attention needs equal q/k/v head dims: pad v with zeros, slice after.
-        pad = m.qk_head_dim - m.v_head_dim
-        v_in = jnp.pad(v, ((0, 0),) * 3 + ((0, max(pad, 0)),)) if pad > 0 else v
-        if pad < 0:
-            raise ValueError("MLAConfig.v_head_dim larger than qk head dim is not supported")
+        if causal:
+            return causal_attention(q, k, v, mask, self.scale)
+        pad = m.qk_head_dim - m.v_head_dim  # XLA's attention wants equal head dims
+        v_in = jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad > 0 else v
         return jax.nn.dot_product_attention(q, k, v_in, mask=mask,
                                             scale=self.scale)[..., :m.v_head_dim]
 

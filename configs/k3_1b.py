@@ -1,0 +1,32 @@
+"""k3_small's recipe at width 2048 (1.09B total, 0.57B active parameters): the largest K3-shaped
+preset that trains on one H200 (32 x 2048 tokens per step in 8 micro-batches)."""
+
+import dataclasses
+
+from configs import k3_small
+from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=16384, d_model=2048, num_layers=12, mla_every=4, first_k_dense=1,
+        kda=KDAConfig(num_heads=16, head_dim=128, gate="lower_bound", lower_bound=-5.0,
+                      gate_rank=128, output_gate="full"),
+        mla=MLAConfig(num_heads=16, q_lora_rank=1024, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        dense_ffn=FFNConfig(intermediate_size=5632, activation="situ_glu"),
+        moe=MoEConfig(num_experts=16, top_k=2, expert_intermediate=1024, latent_dim=1024,
+                      grouped_matmul="mosaic", latent_norm=True, shared_intermediate=2048,
+                      activation="situ_glu", balancing="quantile_hist"),
+        residual=ResidualConfig(kind="attnres", block_size_layers=3),
+        rms_eps=1e-5,
+        scan_layers=False,  # as k3_small: blocks of 3 layers leave only 2-repeat scans
+    )
+
+
+def get_config():
+    """k3_small's experiment (data, Muon + WSD, schedule) with this model and 8 micro-batches."""
+    cfg = k3_small.get_config()
+    return dataclasses.replace(cfg, model=model_config(),
+                               optim=dataclasses.replace(cfg.optim, lr=2e-3),
+                               train=dataclasses.replace(cfg.train, micro_batches=8))
