@@ -128,6 +128,8 @@ def category(kernel: Kernel, instr: Instr | None) -> str:
         return "copy"
     if name.endswith("_mosaic_gpu_kernel"):
         return f"mosaic:{kernel.name[:-len('_mosaic_gpu_kernel')]}"
+    if "sdpa" in name or "flash" in name or "cudnn::fusion" in name:
+        return "attention"  # cuDNN's fused attention (no instruction to look up in a buffer)
     if instr is None:
         return "matmul" if _GEMM_KERNEL.search(name) else "other"
     op, target = instr.opcode, (instr.target or "").lower()
@@ -188,7 +190,9 @@ def summarize(kernels: list[Kernel], instrs: dict[str, Instr]) -> dict:
     for k in kernels:
         instr = instruction_of(k, instrs)
         cat = category(k, instr)
-        where, scope = source(instr.op_name if instr else "")
+        where, scope = (source(instr.op_name) if instr else
+                        ("-", "(in a command buffer)") if (k.hlo_op or "").startswith(
+                            "command_buffer") else source(""))
         cats[cat] += k.duration_ns
         srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
         row = ops.setdefault((k.name, k.hlo_op), [0.0, 0, cat, where, scope])
