@@ -29,3 +29,20 @@ def timed(fn, args, iters: int, repeats: int) -> float:
         jax.block_until_ready(result)
         times.append((time.perf_counter() - t0) / iters * 1e3)
     return statistics.median(times)
+
+
+def compile_stages(trace) -> tuple[object, dict]:
+    """``trace()`` (returning a ``jax.stages.Traced``) lowered and compiled, each stage timed:
+    ``(compiled, {"trace_s", "lower_s", "compile_s", "total_s", "temp_GiB"})``."""
+    t0 = time.perf_counter()
+    traced = trace()
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    temp = None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2)
+    return compiled, {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
+                      "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2),
+                      "temp_GiB": temp}

@@ -26,11 +26,11 @@ import dataclasses
 import importlib
 import json
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+from _timing import compile_stages
 
 jax.config.update("jax_enable_compilation_cache", False)
 
@@ -49,17 +49,7 @@ from k3jax.train.step import (  # noqa: E402
 
 def timed_compile(fn, *args) -> dict:
     """Seconds spent tracing, lowering and compiling ``jax.jit(fn)`` for ``args`` (abstract)."""
-    t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    mem = compiled.memory_analysis()
-    temp = None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2)
-    return {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
-            "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2), "temp_GiB": temp}
+    return compile_stages(lambda: jax.jit(fn).trace(*args))[1]
 
 
 def batch_struct(b: int, t: int) -> dict:

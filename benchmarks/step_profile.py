@@ -43,7 +43,7 @@ import time
 
 import jax
 import numpy as np
-from _timing import emit
+from _timing import compile_stages, emit
 from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
 from k3jax.accounting import count_params, mfu_fn
@@ -79,18 +79,9 @@ def build(cfg):
 
 def compile_step(step, state, batch) -> tuple[object, dict]:
     """The compiled step and the seconds of each stage, XLA's temporaries and the HLO text."""
-    t0 = time.perf_counter()
-    traced = step.trace(state, batch)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    mem = compiled.memory_analysis()
-    return compiled, {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
-                      "compile_s": round(t3 - t2, 2),
-                      "temp_GiB": None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2),
-                      "hlo": compiled.as_text()}
+    compiled, stages = compile_stages(lambda: step.trace(state, batch))
+    stages.pop("total_s")
+    return compiled, {**stages, "hlo": compiled.as_text()}
 
 
 def run_steps(compiled, state, batch, n: int):
