@@ -23,6 +23,7 @@ from k3jax.config.base import ConfigError
 from k3jax.data import make_data
 from k3jax.train.checkpoint import Checkpointer, abstract_like
 from k3jax.train.evaluation import evaluate_batches, task_batches
+from k3jax.train.memory import check_state_fits
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
 from k3jax.train.optim import build_optimizer, schedule
 from k3jax.train.resume import check_schedule, history
@@ -99,7 +100,11 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         check_experts_fit(mesh, rules, cfg.model.moe.num_experts)
     variables = abstract_variables(cfg.model, (micro, cfg.data.seq_len))
     params = variables["params"]
-    optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, _logical_axes(cfg.model))
+    axes = _logical_axes(cfg.model)
+    optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, axes)
+    if axes is not None:  # the per-device state against the device's memory, before any compile
+        check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
+                         abstract=(params, axes, jax.eval_shape(optimizer.init, params)))
 
     def make_state(p, b):
         return init_state(p, b, optimizer, cfg.train.seed)
@@ -308,6 +313,11 @@ def _logical_axes(model_cfg):
         return logical_axes(model_cfg)["params"]
     except Exception:  # noqa: BLE001 - names are a refinement; the optimiser falls back to shapes
         return None
+
+
+def _device_bytes() -> float | None:
+    """A local device's memory as its allocator reports it (None where it says nothing: CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def _mfu_fn(cfg):
