@@ -37,14 +37,28 @@ GENERATION_CASES = {
 
 
 @functools.lru_cache(maxsize=None)
-def generation_case(name: str):
-    """``(cfg, variables)`` of a case, built once per test session."""
+def _jitted_init():
     import jax
 
     from k3jax.model import init_variables
 
+    return jax.jit(init_variables, static_argnums=(0, 2))
+
+
+def init(cfg: ModelConfig, seed: int = 0, batch_shape: tuple[int, int] = (1, 8)) -> dict:
+    """``init_variables(cfg, key(seed), batch_shape)``, jitted: compiled once per config and batch
+    shape in a test process (configs are hashable), then any seed costs one run. (Initialisers
+    compile slowly on the CPU: one random draw per parameter.)"""
+    import jax
+
+    return _jitted_init()(cfg, jax.random.key(seed), batch_shape)
+
+
+@functools.lru_cache(maxsize=None)
+def generation_case(name: str):
+    """``(cfg, variables)`` of a case, built once per test session."""
     cfg = small_config(**GENERATION_CASES[name])
-    return cfg, jax.jit(lambda r: init_variables(cfg, r))(jax.random.key(1))
+    return cfg, init(cfg, 1)
 
 
 def free_port() -> int:

@@ -1,15 +1,20 @@
 """Model-level contract: shapes, causality, packing, scan vs unrolled, remat, presets by
-eval_shape."""
+eval_shape.
 
+Each config is initialised by one compiled initialiser (any seed) and run through one compiled
+forward per input signature, shared by the tests, so the module compiles few programs.
+"""
+
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import init, small_config
 
-from k3jax.model import K3Model, abstract_variables, init_variables
+from k3jax.model import K3Model, abstract_variables
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from k3jax.stack import plan_stack, unroll_params
 
@@ -24,34 +29,49 @@ def _apply(cfg, variables, tokens, **kw):
     return K3Model(cfg).apply(variables, tokens, **kw)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(cfg):
+    return jax.jit(lambda v, t, s: K3Model(cfg).apply(v, t, segment_ids=s))
+
+
+def _forward(cfg, variables, tokens, segment_ids=None):
+    """The model's logits, from one compiled forward per config and input signature."""
+    return _jitted_forward(cfg)(variables, tokens, segment_ids)
+
+
 def test_logits_shape_dtype_and_finite():
     cfg = small_config()
-    v = init_variables(cfg, jax.random.key(0))
-    logits = _apply(cfg, v, _tokens())
+    v = init(cfg, 0)
+    logits = _forward(cfg, v, _tokens())
     assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(logits)))
 
 
 def test_changing_a_future_token_never_changes_an_earlier_output():
     cfg = small_config()
-    v = init_variables(cfg, jax.random.key(1))
+    v = init(cfg, 1)
     tokens = _tokens(1)
-    base = _apply(cfg, v, tokens)
+    base = _forward(cfg, v, tokens)
     for t in (3, 11, T - 1):
-        changed = _apply(cfg, v, tokens.at[:, t].set((tokens[:, t] + 7) % cfg.vocab_size))
+        changed = _forward(cfg, v, tokens.at[:, t].set((tokens[:, t] + 7) % cfg.vocab_size))
         np.testing.assert_array_equal(np.asarray(base[:, :t]), np.asarray(changed[:, :t]))
         assert not np.allclose(base[:, t], changed[:, t])
 
 
 def test_packed_documents_equal_documents_run_alone():
+    """Each document alone starts a row of the packed row's length, the rest of that row filler
+    tokens: the causality test above shows later tokens never reach its outputs, so one compiled
+    forward runs every document alone, from position 0 and with no segment ids."""
     cfg = small_config()
-    v = init_variables(cfg, jax.random.key(2))
+    v = init(cfg, 2)
     tokens = _tokens(2)
     seg = jnp.asarray(np.repeat(np.array([[0] * 7 + [1] * 9 + [2] * 4]), B, 0), jnp.int32)
-    packed = _apply(cfg, v, tokens, segment_ids=seg)
+    packed = _forward(cfg, v, tokens, seg)
+    filler = _tokens(20)
     for s in range(3):
         idx = np.where(np.asarray(seg[0]) == s)[0]
-        alone = _apply(cfg, v, tokens[:, idx])
+        row = jnp.concatenate([tokens[:, idx], filler[:, len(idx):]], axis=1)
+        alone = _forward(cfg, v, row)[:, :len(idx)]
         assert rel_rms(alone, packed[:, idx]) < FP32_TOL
 
 
@@ -63,13 +83,13 @@ def test_scanned_stack_equals_unrolled_stack():
     cfg = _scanned_config()
     plan = plan_stack(cfg)
     assert plan.repeats >= 2, plan
-    v = init_variables(cfg, jax.random.key(3))
+    v = init(cfg, 3)
     unrolled_cfg = cfg.replace(scan_layers=False)
     v_unrolled = {"params": unroll_params(cfg, v["params"])}
     want = jax.tree.map(jnp.shape, abstract_variables(unrolled_cfg)["params"])
     assert jax.tree.map(jnp.shape, v_unrolled["params"]) == want
     tokens = _tokens(3)
-    assert rel_rms(_apply(unrolled_cfg, v_unrolled, tokens), _apply(cfg, v, tokens)) < FP32_TOL
+    assert rel_rms(_forward(unrolled_cfg, v_unrolled, tokens), _forward(cfg, v, tokens)) < FP32_TOL
 
 
 def test_remat_gives_the_same_values_and_gradients():
@@ -77,7 +97,7 @@ def test_remat_gives_the_same_values_and_gradients():
     (static index), against one reference gradient. (AttnRes layers under remat:
     test_attnres.py.)"""
     cfg = _scanned_config()
-    v = init_variables(cfg, jax.random.key(4))
+    v = init(cfg, 4)
     tokens = _tokens(4)
 
     def loss(params, c):
@@ -85,9 +105,10 @@ def test_remat_gives_the_same_values_and_gradients():
         return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
             logits, tokens[..., None], -1)[..., 0])
 
-    l0, g0 = jax.value_and_grad(loss)(v["params"], cfg)
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    l0, g0 = value_and_grad(v["params"], cfg)
     for policy in ("full", "dots"):
-        l1, g1 = jax.value_and_grad(loss)(v["params"], cfg.replace(remat=policy))
+        l1, g1 = value_and_grad(v["params"], cfg.replace(remat=policy))
         np.testing.assert_allclose(l0, l1, rtol=1e-6, err_msg=policy)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             assert rel_rms(a, b) < FP32_TOL, policy
@@ -95,7 +116,7 @@ def test_remat_gives_the_same_values_and_gradients():
 
 def test_bad_tokens_are_rejected_before_tracing():
     cfg = small_config()
-    v = init_variables(cfg, jax.random.key(0))
+    v = init(cfg, 0)
     with pytest.raises(ValueError, match="tokens must be an integer array"):
         _apply(cfg, v, jnp.zeros((2, 4), jnp.float32))
     with pytest.raises(ValueError, match="segment_ids"):
@@ -107,8 +128,11 @@ PRESETS = ["k3_tiny", "k3_small", "kimi_linear_48b", "k3_full"]
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_traces_with_eval_shape(name):
+    """Initialisation and the forward traced together (``init_with_output``: one trace of the
+    model, not one for ``init`` and another for ``apply``)."""
     cfg = importlib.import_module(f"configs.{name}").model_config()
-    variables = abstract_variables(cfg)
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    out = jax.eval_shape(lambda v, t: K3Model(cfg).apply(v, t), variables, tokens)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    out, variables = jax.eval_shape(
+        lambda r: K3Model(cfg).init_with_output({"params": r}, tokens), jax.random.key(0))
     assert out.shape == (1, 8, cfg.vocab_size) and out.dtype == jnp.float32
+    assert jax.tree.leaves(variables["params"])

@@ -9,11 +9,12 @@ model of the two-process ``train.py`` test in ``test_distributed_train.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import init, small_config
 from jax.sharding import PartitionSpec as P
 
 import k3jax.parallel as kp
@@ -48,16 +49,36 @@ def train_batches(steps: int = STEPS) -> list[dict]:
              "weights": np.ones(shape, np.float32)} for _ in range(steps)]
 
 
+@functools.lru_cache(maxsize=None)
+def _optimizer_and_step(cfg, micro_batches: int):
+    """The optimiser and the (unjitted) train step of ``cfg``, built once per test process."""
+    optimizer = build_optimizer(OPTIM, 10, abstract_variables(cfg)["params"])
+    step_fn = make_train_step(K3Model(cfg), optimizer, schedule(OPTIM, 10), micro_batches, cfg.moe)
+    return optimizer, step_fn
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_step(cfg, micro_batches: int):
+    """One compiled single-device step per config: the training test's reference and the
+    micro-batch test's full-batch step are the same program."""
+    return jax.jit(_optimizer_and_step(cfg, micro_batches)[1])
+
+
+def _initial_state(cfg):
+    """The single-device start of every variant: the dispatch and the balancing rule do not
+    change the variables, so one compiled initialiser serves them all."""
+    v = init(tiny_moe_config("ragged"), 0)
+    return init_state(v["params"], v["balance"], _optimizer_and_step(cfg, 1)[0], 0)
+
+
 def train_losses(dispatch: str, mesh=None, rules=None, place=None):
     """Run :data:`STEPS` training steps -> ``(losses, final state)``; sharded when ``mesh`` is
     given (``place`` turns a host batch into global arrays; default: ``device_put``)."""
     cfg = tiny_moe_config(dispatch)
-    optimizer = build_optimizer(OPTIM, 10, abstract_variables(cfg)["params"])
+    optimizer, step_fn = _optimizer_and_step(cfg, 1)
     make_state = lambda p, b: init_state(p, b, optimizer, 0)  # noqa: E731
-    step_fn = make_train_step(K3Model(cfg), optimizer, schedule(OPTIM, 10), 1, cfg.moe)
     if mesh is None:
-        v = init_variables(cfg, jax.random.key(0))
-        state, step, put = make_state(v["params"], v["balance"]), jax.jit(step_fn), lambda b: b
+        state, step, put = _initial_state(cfg), _jitted_step(cfg, 1), lambda b: b
     else:
         state = kp.init_sharded_state(cfg, mesh, rules, jax.random.key(0), make_state)
         step = kp.sharded_step(step_fn, state, mesh, rules)
@@ -163,14 +184,9 @@ def test_micro_batches_equal_one_full_batch(balancing):
     give the full batch's step: loss, updated parameters and router biases, to fp32 round-off."""
     cfg = tiny_moe_config("ragged")
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, balancing=balancing))
-    optimizer = build_optimizer(OPTIM, 10, abstract_variables(cfg)["params"])
-    v = init_variables(cfg, jax.random.key(0))
-    state = init_state(v["params"], v["balance"], optimizer, 0)
+    state = _initial_state(cfg)
     batch = train_batches(1)[0]
-    out = {}
-    for m in (1, 2):
-        step = jax.jit(make_train_step(K3Model(cfg), optimizer, schedule(OPTIM, 10), m, cfg.moe))
-        out[m] = step(state, batch)
+    out = {m: _jitted_step(cfg, m)(state, batch) for m in (1, 2)}
     (one, m1), (two, m2) = out[1], out[2]
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=LOSS_RTOL)
     for part in ("params", "balance"):

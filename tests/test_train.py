@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import init, small_config
 
 from k3jax.config import ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig
 from k3jax.config.experiment import OptimConfig
@@ -170,41 +171,49 @@ def test_evaluate_and_plot(runs, capsys):
 
 def test_packed_batch_equals_documents_one_by_one():
     """Per-document losses of three documents packed in one row (segment ids) equal those of each
-    document run alone: no attention and no KDA/conv state crosses a boundary."""
-    from k3jax.model import K3Model, init_variables
+    document run alone: no attention and no KDA/conv state crosses a boundary. One compiled
+    forward over five rows: the packed row; each document alone at the start of a row, filler
+    after it (causal: later tokens never reach it, tests/test_model.py); the packed tokens
+    without segment ids."""
+    from k3jax.model import K3Model
     from k3jax.train.step import token_nats
 
-    lengths = (11, 16, 5)
+    lengths, width = (11, 16, 5), 32
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 256, size=n + 1).astype(np.int32) for n in lengths]
-    variables = jax.jit(lambda k: init_variables(TINY_MODEL, k, (1, 32)))(jax.random.PRNGKey(3))
-    model = K3Model(TINY_MODEL)
-    apply = jax.jit(lambda t, s: model.apply(variables, t, segment_ids=s, deterministic=True))
-
-    tokens = np.concatenate([d[:-1] for d in docs])[None]
-    targets = np.concatenate([d[1:] for d in docs])[None]
-    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None].astype(np.int32)
-    packed = np.asarray(token_nats(apply(tokens, seg), targets))[0]
-    alone = [np.asarray(token_nats(apply(d[None, :-1], np.ones((1, len(d) - 1), np.int32)),
-                                   d[None, 1:]))[0] for d in docs]
+    variables = init(TINY_MODEL, 3)
+    filler = rng.integers(0, 256, size=width + 1).astype(np.int32)
+    alone_rows = [np.concatenate([d, filler[len(d):]]) for d in docs]
+    packed_row = np.concatenate([d[:-1] for d in docs] + [docs[-1][-1:]])
+    rows = np.stack([packed_row, *alone_rows, packed_row])               # [5, width + 1]
+    seg = np.ones((5, width), np.int32)
+    seg[0] = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
+    targets = np.concatenate([np.concatenate([d[1:] for d in docs])[None], rows[1:4, 1:],
+                              np.concatenate([d[1:] for d in docs])[None]])
+    logits = jax.jit(lambda t, s: K3Model(TINY_MODEL).apply(variables, t, segment_ids=s,
+                                                            deterministic=True))(rows[:, :-1], seg)
+    nats = np.asarray(token_nats(logits, targets))
     bounds = np.cumsum((0,) + lengths)
+    alone = [nats[1 + i, :n] for i, n in enumerate(lengths)]
     for i, ref in enumerate(alone):
-        got = packed[bounds[i]:bounds[i + 1]]
+        got = nats[0, bounds[i]:bounds[i + 1]]
         assert rel_rms(ref, got) <= FP32_TOL, (i, rel_rms(ref, got))
     # And without segment ids the later documents do see the earlier ones (the test can fail).
-    mixed = np.asarray(token_nats(apply(tokens, np.ones_like(seg)), targets))[0]
-    assert rel_rms(alone[1], mixed[bounds[1]:bounds[2]]) > 10 * FP32_TOL
+    assert rel_rms(alone[1], nats[4, bounds[1]:bounds[2]]) > 10 * FP32_TOL
 
 
 def test_nonfinite_step_is_skipped_and_counted():
-    from k3jax.model import K3Model, init_variables
+    """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to
+    compile)."""
+    from k3jax.model import K3Model
     from k3jax.train.step import init_state, make_train_step
 
+    model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
     cfg = OptimConfig(warmup_steps=0)
-    variables = jax.jit(lambda k: init_variables(TINY_MODEL, k, (2, 16)))(jax.random.PRNGKey(0))
+    variables = init(model_cfg, 0)
     opt = build_optimizer(cfg, 10, variables["params"])
     state = init_state(variables["params"], {}, opt, 0)
-    step = jax.jit(make_train_step(K3Model(TINY_MODEL), opt, schedule(cfg, 10), 1))
+    step = jax.jit(make_train_step(K3Model(model_cfg), opt, schedule(cfg, 10), 1))
     good = {"tokens": np.ones((2, 16), np.int32), "targets": np.full((2, 16), 7, np.int32),
             "segment_ids": np.ones((2, 16), np.int32), "weights": np.ones((2, 16), np.float32)}
     bad = {**good, "weights": np.full((2, 16), np.nan, np.float32)}
