@@ -9,6 +9,7 @@ ends the stack mid-block (the final read has a partial sum). The toy-stack tests
 sizes (Full AttnRes, and commits on FFN sub-layers) and scans that start mid-block.
 """
 
+import functools
 import math
 
 import jax
@@ -288,7 +289,13 @@ def _model_cfg(kind="attnres", **kw):
 
 
 def _forward(cfg, variables, mutable=False):
-    return jax.jit(lambda v: K3Model(cfg).apply(v, TOKENS, mutable=mutable))(variables)
+    return _jitted_forward(cfg, tuple(mutable) if mutable else False)(variables)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(cfg, mutable):
+    """One compiled forward per config and collection list, shared by the tests."""
+    return jax.jit(lambda v: K3Model(cfg).apply(v, TOKENS, mutable=list(mutable) if mutable else False))
 
 
 def _is_attnres(path) -> bool:

@@ -2,9 +2,12 @@
 
 Small shapes; inputs are bf16-representable, the reference runs in fp32 on the same values, so
 the math §10 bf16 tolerances measure the kernels' own error (bf16 WGMMA operands, fp32 state).
+The kernels run jitted: the interpreter is several times slower called op by op.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +32,18 @@ from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
-def _loss(fn, do, dfin):
-    def f(*args):
-        o, fin = fn(*args)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(fin * dfin)
-    return f
-
-
 def _bf16(x):
     return x.astype(jnp.bfloat16)
+
+
+def _values_and_grads(fn, args, do, dfin):
+    """``fn``'s outputs ``(o, final)`` and the gradients of ``sum(o * do) + sum(final * dfin)``
+    w.r.t. all six arguments, from one forward, jitted (the interpreted kernels run far slower op
+    by op)."""
+    def run(args, do, dfin):
+        (o, f), vjp = jax.vjp(fn, *args)
+        return (o, f), vjp((do.astype(o.dtype), dfin))  # fp32 do rounded to o's dtype, as autodiff
+    return jax.jit(run)(args, do, dfin)
 
 
 def _check_all(args, seg, do, dfin, inputs=_bf16):
@@ -51,12 +57,11 @@ def _check_all(args, seg, do, dfin, inputs=_bf16):
     ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta,
                                                   scale=scale, initial_state=h0, segment_ids=seg,
                                                   output_final_state=True, interpret=True)
-    (ro, rf), (o, f) = ref(*args), ker(*args)
+    (ro, rf), rg = _values_and_grads(ref, args, do, dfin)
+    (o, f), kg = _values_and_grads(ker, args, do, dfin)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
     assert rel_rms(rf, f) <= BF16_OUT_TOL
-    rg = jax.grad(_loss(ref, do, dfin), argnums=tuple(range(6)))(*args)
-    kg = jax.grad(_loss(ker, do, dfin), argnums=tuple(range(6)))(*args)
     for name, a, r, x in zip(NAMES, args, rg, kg):
         assert x.dtype == a.dtype, name
         tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
@@ -71,14 +76,24 @@ def _softplus_segments_case():
     return args, seg
 
 
+@jax.jit
+def _chunked_reference(q, k, v, g, beta, h0, segment_ids=None):
+    """The token-parallel part's reference, then the plain-JAX state pass (chunks of 64):
+    ``(o [B, H, Tp, V], final state)``."""
+    p = prepare_reference(q, k, v, g, beta, scale=0.125, chunk_size=64, segment_ids=segment_ids)
+    return state_pass_reference(p, h0, 64)
+
+
+_recurrence = jax.jit(functools.partial(kda_reference, scale=0.125))
+
+
 def test_prep_reference_matches_recurrence_fp32_softplus_segments():
     """The token-parallel part's reference plus the plain-JAX state pass equals the recurrence
     (fp32), for a softplus gate whose 16-token decays exceed fp32's exp range, with packed
     segments: the chunked form the kernels implement, in fp32."""
     (q, k, v, g, beta, h0), seg = _softplus_segments_case()
-    ro, rf = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0, segment_ids=seg)
-    p = prepare_reference(q, k, v, g, beta, scale=0.125, chunk_size=64, segment_ids=seg)
-    o, f = state_pass_reference(p, h0, 64)
+    ro, rf = _recurrence(q, k, v, g, beta, initial_state=h0, segment_ids=seg)
+    o, f = _chunked_reference(q, k, v, g, beta, h0, seg)
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)[:, :150]) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
@@ -90,9 +105,8 @@ def test_prep_reference_matches_recurrence_fp32_correlated_keys():
     chunk = np.asarray(k[0, :64, 0], np.float64)
     lower = np.tril(chunk @ chunk.T, -1) * 0.99
     assert np.abs(np.linalg.matrix_power(lower, 32)).max() > 1e12  # the hard regime is exercised
-    ro, rf = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0)
-    o, f = state_pass_reference(prepare_reference(q, k, v, g, beta, scale=0.125, chunk_size=64),
-                                h0, 64)
+    ro, rf = _recurrence(q, k, v, g, beta, initial_state=h0)
+    o, f = _chunked_reference(q, k, v, g, beta, h0)
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
@@ -112,13 +126,13 @@ def test_state_kernels_match_plain_jax(dv):
     do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
     dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
     rp, rh0 = vjp((do, dfin))
-    o, f, st, vt = state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
-                             chunk_size=64, interpret=True)
+    fwd = jax.jit(functools.partial(state_fwd, chunk_size=64, interpret=True))
+    o, f, st, vt = fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0)
     assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
     assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
-    dqg, dkg, dw, da, dgam, du, dh0 = state_bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk),
-                                                p.gamma, st, vt, _bf16(jnp.swapaxes(do, 1, 2)),
-                                                dfin, chunk_size=64, interpret=True)
+    bwd = jax.jit(functools.partial(state_bwd, chunk_size=64, interpret=True))
+    dqg, dkg, dw, da, dgam, du, dh0 = bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk),
+                                          p.gamma, st, vt, _bf16(jnp.swapaxes(do, 1, 2)), dfin)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
     for r, x in pairs:
@@ -136,7 +150,7 @@ def test_state_grads_kernel_matches_its_products(dk, dv):
     shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv),
               (b, nc * c, h, dv))
     ins = [jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
-    got = state_grads(*ins, interpret=True)
+    got = jax.jit(functools.partial(state_grads, interpret=True))(*ins)
     want = chunk_products_reference(*ins)
     tols = (BF16_OUT_TOL,) * 4 + (FP32_TOL,)
     for name, r, x, tol in zip(("dqg", "dkg", "dw", "daqk", "dgamma"), want, got, tols):
@@ -171,16 +185,20 @@ def test_prepare_kernels_match_their_reference():
     (q, k, v, g, beta, _), seg = _softplus_segments_case()
     kw = {"scale": 0.125, "chunk_size": 64, "segment_ids": seg}
     ref, ref_vjp = jax.vjp(lambda *a: prepare_reference(*a, **kw), q, k, v, g, beta)
-    out, ker_vjp = jax.vjp(lambda *a: prepare(*a, **kw, interpret=True), q, k, v, g, beta)
-    for name, r, x in zip(ref._fields, ref, out):
-        assert rel_rms(r, x) <= BF16_OUT_TOL, (name, rel_rms(r, x))
     # A random cotangent per element (a constant one would check only the gradient of sums), the
     # same bf16 values for both, each in its output's dtype.
     keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
     cts = [(jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(jnp.bfloat16)
            for key, r in zip(keys, ref)]
     ref_grads = ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref))))
-    grads = ker_vjp(type(out)(*(c.astype(x.dtype) for c, x in zip(cts, out))))
+
+    def kernels(args, cts):
+        out, vjp = jax.vjp(lambda *a: prepare(*a, **kw, interpret=True), *args)
+        return out, vjp(type(out)(*(c.astype(x.dtype) for c, x in zip(cts, out))))
+
+    out, grads = jax.jit(kernels)((q, k, v, g, beta), cts)
+    for name, r, x in zip(ref._fields, ref, out):
+        assert rel_rms(r, x) <= BF16_OUT_TOL, (name, rel_rms(r, x))
     for name, r, x in zip(("q", "k", "v", "g", "beta"), ref_grads, grads):
         tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
@@ -199,8 +217,9 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     """K = V = 128: two value tiles per head (the backward sums their partial products)."""
     args, do, dfin = kda_bf16_case(5, 1, 64, 1, 128, 128, "lower_bound")
     ref = kda_reference(*args[:5], scale=128**-0.5, initial_state=args[5])
-    o, f = kda_pallas(*(_bf16(x) for x in args[:3]), *args[3:5], scale=128**-0.5,
-                      initial_state=args[5], output_final_state=True, interpret=True)
+    o, f = jax.jit(functools.partial(kda_pallas, scale=128**-0.5, output_final_state=True,
+                                     interpret=True))(*(_bf16(x) for x in args[:3]), *args[3:5],
+                                                      initial_state=args[5])
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
 
 

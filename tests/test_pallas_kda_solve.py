@@ -8,6 +8,8 @@ sm_90.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,9 +54,13 @@ def _cotangents(w_shape, u_shape, seed: int):
 
 
 def _run(args, cts, w_dtype):
-    """Kernel outputs and gradients, and the fp32 reference's on the same (fp32-widened) values."""
-    out, vjp = jax.vjp(lambda *a: wy(*a, w_dtype=w_dtype, interpret=True), *args)
-    grads = vjp((cts[0].astype(w_dtype), cts[1]))
+    """Kernel outputs and gradients (jitted: the interpreter is far slower op by op), and the fp32
+    reference's on the same (fp32-widened) values."""
+    def kernel(args, cts):
+        out, vjp = jax.vjp(lambda *a: wy(*a, w_dtype=w_dtype, interpret=True), *args)
+        return out, vjp((cts[0].astype(w_dtype), cts[1]))
+
+    out, grads = jax.jit(kernel)(args, cts)
     ref, ref_vjp = jax.vjp(wy_reference, *(a.astype(jnp.float32) for a in args))
     ref_grads = ref_vjp((cts[0].astype(w_dtype).astype(jnp.float32), cts[1]))
     return out, grads, ref, ref_grads
@@ -81,7 +87,8 @@ def test_inverse_matches_triangular_solve(correlated):
     akk, beta = _akk_and_beta(correlated, 1, 1, 2, seed=0)
     akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
     eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
-    t, _ = wy(akk, jnp.ones_like(beta), eye, jnp.zeros((1, 2 * CHUNK, 1, CHUNK)), interpret=True)
+    t, _ = jax.jit(functools.partial(wy, interpret=True))(akk, jnp.ones_like(beta), eye,
+                                                          jnp.zeros((1, 2 * CHUNK, 1, CHUNK)))
     ref = unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
     assert rel_rms(ref, t) <= FP32_TOL
 
