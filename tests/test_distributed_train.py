@@ -6,9 +6,9 @@ every batch, writes and reads only its own shards of every checkpoint, and only 
 metrics. The losses must equal a one-device run of the same config with the ragged dispatch, and a
 second launch must resume from the processes' shared checkpoint. (A constant learning rate: the
 schedule does not depend on the number of steps, so the longer second launch runs the first one's
-compiled step, from the compilation cache.) Run as a script, this file is a
-process of the job: ``train.py``'s ``main`` with the given arguments, then one JSON line with the
-devices it saw and the batch rows it held.
+compiled step, from the compilation cache.) Run as a script, this file is a process of the job:
+``train.py``'s ``main`` with the given arguments, then one JSON line with the devices it saw and
+the batch rows it held.
 """
 
 from __future__ import annotations
