@@ -295,7 +295,8 @@ def _forward(cfg, variables, mutable=False):
 @functools.lru_cache(maxsize=None)
 def _jitted_forward(cfg, mutable):
     """One compiled forward per config and collection list, shared by the tests."""
-    return jax.jit(lambda v: K3Model(cfg).apply(v, TOKENS, mutable=list(mutable) if mutable else False))
+    collections = list(mutable) if mutable else False
+    return jax.jit(lambda v: K3Model(cfg).apply(v, TOKENS, mutable=collections))
 
 
 def _is_attnres(path) -> bool:
