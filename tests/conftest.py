@@ -7,6 +7,10 @@ build real meshes; single-device tests simply use device 0.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One BLAS thread per test process (and the subprocesses they start): the suite runs a process
+# per core, and OpenBLAS's threads spin against each other on the small scipy fits of the sweep
+# report (a fit took minutes instead of seconds on a loaded 2-core machine). Before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

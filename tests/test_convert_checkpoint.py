@@ -18,7 +18,7 @@ import train
 from k3jax.convert import config_from_hf, export_variables, load_variables, read_config
 from k3jax.convert.__main__ import main as convert_main
 from k3jax.evaluate import evaluate_workdir, restore_workdir
-from k3jax.model import init_variables
+from k3jax.model import abstract_variables
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "kimi_linear"
 SETTINGS = ["data.task=mqar", "data.seq_len=16", "data.batch_size=8", "eval.batches=1",
@@ -32,13 +32,17 @@ def _leaves(tree):
 
 
 def _tiny_hf_dir(directory: Path) -> Path:
-    """A random two-layer dense Kimi Linear in the released layout, with the fixture's token ids."""
+    """A random two-layer dense Kimi Linear in the released layout, with the fixture's token ids.
+    Its weights are random values of the model's shapes (no initialiser to compile: what is tested
+    is where each value goes, not what it is)."""
     original = json.loads((FIXTURE / "config.json").read_text())
     cfg, _ = config_from_hf({**original, "num_hidden_layers": 2, "hidden_size": 32,
                              "layer_types": ["linear_attention", "full_attention"],
                              "mlp_layer_types": ["dense", "dense"]})
-    export_variables(init_variables(cfg, jax.random.key(1)), cfg, directory,
-                     original_config=original)
+    rng = np.random.default_rng(1)
+    variables = jax.tree.map(lambda x: rng.normal(0.0, 0.1, x.shape).astype(x.dtype),
+                             abstract_variables(cfg))
+    export_variables(variables, cfg, directory, original_config=original)
     return directory
 
 

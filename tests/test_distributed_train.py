@@ -4,9 +4,11 @@ Two processes with four CPU devices each form one (data 2, expert 4) mesh and tr
 MoE model (Quantile Balancing on) with the all-to-all dispatch. Each process loads only its rows of
 every batch, writes and reads only its own shards of every checkpoint, and only process 0 writes
 metrics. The losses must equal a one-device run of the same config with the ragged dispatch, and a
-second launch must resume from the processes' shared checkpoint. Run as a script, this file is a
-process of the job: ``train.py``'s ``main`` with the given arguments, then one JSON line with the
-devices it saw and the batch rows it held.
+second launch must resume from the processes' shared checkpoint. (A constant learning rate: the
+schedule does not depend on the number of steps, so the longer second launch runs the first one's
+compiled step, from the compilation cache.) Run as a script, this file is a process of the job:
+``train.py``'s ``main`` with the given arguments, then one JSON line with the devices it saw and
+the batch rows it held.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def get_config():
     return ExperimentConfig(
         model={model!r},
         data=DataConfig(task="mqar", seq_len={seq}, batch_size={batch}),
-        optim=OptimConfig(lr=1e-2, warmup_steps=0),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
         train=TrainConfig(steps=4, log_every=1, micro_batches=1),
         checkpoint=CheckpointConfig(every=2, keep=3),
         eval=EvalConfig(every=1000, batches=1))

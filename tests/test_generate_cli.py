@@ -17,6 +17,8 @@ PROMPT = "def f(x):"
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A run directory as training leaves it: config.json, a byte corpus and one checkpoint."""
+    import jax
+
     from configs.k3_tiny import get_config
     from k3jax.data import build_corpus
     from k3jax.evaluate import _state
@@ -42,7 +44,8 @@ def workdir(tmp_path_factory):
     run.mkdir()
     config = cfg.to_dict()
     (run / "config.json").write_text(json.dumps(config, indent=1))
-    state = _state(cfg, 2, init_variables, build_optimizer, init_state)
+    state = _state(cfg, 2, jax.jit(init_variables, static_argnums=(0, 2)), build_optimizer,
+                   init_state)
     ckpt = Checkpointer(run / "checkpoints", 1, async_save=False, log=lambda m: None)
     ckpt.save(3, state, {"config": config, "step": 3})
     ckpt.close()

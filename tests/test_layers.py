@@ -4,6 +4,7 @@ Tolerances follow math §10: the same math in another order, fp32, within FP32_T
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,13 @@ def test_conv_decode_steps_equal_full_conv():
 
 def _init(layer, x, **kw):
     import flax.linen as nn
-    return nn.meta.unbox(layer.init(jax.random.key(0), x, **kw))
+    return jax.jit(lambda x: nn.meta.unbox(layer.init(jax.random.key(0), x, **kw)))(x)
+
+
+def _jit(layer, **kw):
+    """``layer.apply`` with ``kw`` fixed, jitted: the layers run several times slower op by op.
+    Build it once for a loop of same-shaped calls (one compile)."""
+    return jax.jit(functools.partial(layer.apply, **kw))
 
 
 @pytest.mark.parametrize("gate,out_gate", [("lower_bound", "full"), ("softplus", "low_rank")])
@@ -73,9 +80,9 @@ def test_kda_layer_split_in_two_equals_one_run(gate, out_gate):
     cfg = small_config(kda=dataclasses.replace(small_config().kda, gate=gate, output_gate=out_gate))
     layer, x = KDALayer(cfg), _x(5, cfg.d_model)
     v = _init(layer, x)
-    full = layer.apply(v, x)
-    h1, cache = layer.apply(v, x[:, :11], return_cache=True)
-    h2 = layer.apply(v, x[:, 11:], cache=cache)
+    full = _jit(layer)(v, x)
+    h1, cache = _jit(layer, return_cache=True)(v, x[:, :11])
+    h2 = _jit(layer)(v, x[:, 11:], cache=cache)
     assert rel_rms(full, jnp.concatenate([h1, h2], 1)) < FP32_TOL
 
 
@@ -83,11 +90,11 @@ def test_kda_layer_decode_equals_full():
     cfg = small_config()
     layer, x = KDALayer(cfg), _x(6, cfg.d_model, 9)
     v = _init(layer, x)
-    full = layer.apply(v, x)
+    full = _jit(layer)(v, x)
     cache = KDALayer.empty_cache(cfg, B)
-    outs = []
+    outs, step = [], _jit(layer, method=KDALayer.decode_step)
     for t in range(x.shape[1]):
-        y, cache = layer.apply(v, x[:, t], cache, method=KDALayer.decode_step)
+        y, cache = step(v, x[:, t], cache)
         outs.append(y)
     assert rel_rms(full, jnp.stack(outs, 1)) < FP32_TOL
 
@@ -96,10 +103,10 @@ def test_kda_layer_segments_are_independent():
     cfg = small_config()
     layer, x, seg = KDALayer(cfg), _x(7, cfg.d_model), _segments()
     v = _init(layer, x)
-    packed = layer.apply(v, x, segment_ids=seg)
+    packed = _jit(layer)(v, x, segment_ids=seg)
     for s in (0, 1):  # row 0 holds two documents; each run alone must match its packed slice
         idx = np.where(seg[0] == s)[0]
-        alone = layer.apply(v, x[:1, idx])
+        alone = _jit(layer)(v, x[:1, idx])
         assert rel_rms(alone[0], packed[0, idx]) < FP32_TOL
 
 
@@ -122,8 +129,8 @@ def test_mla_absorbed_equals_expanded(q_lora, rope, gate):
                                               output_gate=gate))
     layer, x, seg = MLALayer(cfg), _x(8, cfg.d_model), _segments()
     v = _init(layer, x)
-    expanded = layer.apply(v, x, segment_ids=seg)
-    absorbed = layer.apply(v, x, segment_ids=seg, method=MLALayer.absorbed)
+    expanded = _jit(layer)(v, x, segment_ids=seg)
+    absorbed = _jit(layer, method=MLALayer.absorbed)(v, x, segment_ids=seg)
     assert rel_rms(expanded, absorbed) < FP32_TOL
 
 
@@ -133,11 +140,11 @@ def test_mla_decode_equals_full(rope):
     cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, rope=rope))
     layer, x = MLALayer(cfg), _x(9, cfg.d_model, 7)
     v = _init(layer, x)
-    full = layer.apply(v, x)
+    full = _jit(layer)(v, x)
     cache = MLALayer.empty_cache(cfg, B, max_len=10)
-    outs = []
+    outs, step = [], _jit(layer, method=MLALayer.decode_step)
     for t in range(x.shape[1]):
-        y, cache = layer.apply(v, x[:, t], cache, method=MLALayer.decode_step)
+        y, cache = step(v, x[:, t], cache)
         outs.append(y)
     assert rel_rms(full, jnp.stack(outs, 1)) < FP32_TOL
     m = cfg.mla
@@ -148,8 +155,8 @@ def test_mla_segments_are_independent():
     cfg = small_config()
     layer, x, seg = MLALayer(cfg), _x(10, cfg.d_model), _segments()
     v = _init(layer, x)
-    packed = layer.apply(v, x, segment_ids=seg)
+    packed = _jit(layer)(v, x, segment_ids=seg)
     for b in range(B):
         for s in np.unique(seg[b]):
             idx = np.where(seg[b] == s)[0]
-            assert rel_rms(layer.apply(v, x[b:b + 1, idx])[0], packed[b, idx]) < FP32_TOL
+            assert rel_rms(_jit(layer)(v, x[b:b + 1, idx])[0], packed[b, idx]) < FP32_TOL
