@@ -1,7 +1,8 @@
 """Test configuration shared by the suite.
 
-Eight simulated CPU devices are requested before jax is imported so the expert-parallel tests can
-build real meshes; single-device tests simply use device 0.
+The environment of ``suite_env.py`` (eight simulated CPU devices, so the expert-parallel tests can
+build real meshes, and the compile flags) is set before jax is imported; single-device tests simply
+use device 0.
 """
 
 import os
@@ -11,9 +12,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # per core, and OpenBLAS's threads spin against each other on the small scipy fits of the sweep
 # report (a fit took minutes instead of seconds on a loaded 2-core machine). Before numpy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+from suite_env import SIMULATED_DEVICES, xla_flags  # noqa: E402
+
+for _flag in xla_flags(SIMULATED_DEVICES).split():  # flags already given by the caller win
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402  (after the flags above)
 

@@ -7,10 +7,11 @@ sessions, and checks the lines carry the fields the docs read from them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from suite_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # k3_tiny cut to one KDA and one MLA layer (dense FFN, then MoE; one AttnRes block) with KDA chunks
@@ -20,8 +21,8 @@ TINY_MODEL = ["--set", "model.num_layers=2", "--set", "model.mla_every=2",
 
 
 def _run(args: list[str], timeout: int = 600) -> list[dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count where it needs one
+    # One device: the script sets its own device count where it needs more.
+    env = subprocess_env(PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,13 +14,13 @@ the batch rows it held.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 from helpers import free_port, wait_all
+from suite_env import subprocess_env
 from test_parallel import LOSS_RTOL, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +43,7 @@ def get_config():
 
 
 def _launch(preset: Path, workdir: Path, steps: int, devices: int, *sets: str, **env):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env}
+    env = subprocess_env(devices, PYTHONPATH=str(ROOT), **env)
     args = ["--config", str(preset), "--workdir", str(workdir), "--set", f"train.steps={steps}"]
     for s in sets:
         args += ["--set", s]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from suite_env import subprocess_env
 
 from k3jax.config.experiment import OptimConfig
 from k3jax.sweep import Budget, Executor, Ladder, Sweep, SweepError, Variant, load_sweep
@@ -66,9 +67,8 @@ def _spec(path: Path, tokens=(1536,), fractions=(1.0,), seeds=(0, 1), branching=
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
-    return root, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",  # one CPU device
-                  "JAX_COMPILATION_CACHE_DIR": str(root / "jaxc"),
-                  "PYTHONPATH": str(ROOT)}  # submitit's job processes import k3jax too
+    return root, subprocess_env(JAX_COMPILATION_CACHE_DIR=str(root / "jaxc"),  # one CPU device
+                                PYTHONPATH=str(ROOT))  # submitit's job processes import k3jax
 
 
 def _cli(args, env, **kw):

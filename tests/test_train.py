@@ -6,7 +6,6 @@ compiles. Model: 2 layers (KDA then MLA), d_model 32, vocab 256, sequences of 32
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from helpers import init, small_config
+from suite_env import subprocess_env
 
 from k3jax.config import ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig
 from k3jax.config.experiment import OptimConfig
@@ -69,8 +69,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     preset = root / "preset.py"
     preset.write_text(PRESET.format(source=str(_text_source(root))))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jaxc"),
-           "K3JAX_DATA_CACHE": str(root / "data"), "XLA_FLAGS": ""}  # one CPU device
+    env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(root / "jaxc"),  # one CPU device
+                         K3JAX_DATA_CACHE=str(root / "data"))
 
     def train(workdir, extra_env=None):
         cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(preset),
