@@ -24,7 +24,7 @@ import numpy as np
 
 from k3jax.config import ConfigError, ModelConfig
 from k3jax.config.experiment import load_config, preset_path
-from k3jax.model import abstract_variables, logical_axes
+from k3jax.model import abstract_variables_and_axes
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,7 @@ def _is_routed_expert(spec) -> bool:
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     """Total and active parameters of ``cfg`` (shapes only; works for the 2.78T config)."""
-    shapes = abstract_variables(cfg)["params"]
-    specs = logical_axes(cfg)["params"]
+    shapes, specs = (tree["params"] for tree in abstract_variables_and_axes(cfg))
     sizes = jax.tree.leaves(jax.tree.map(lambda s: int(np.prod(s.shape)), shapes))
     routed_flags = jax.tree.leaves(jax.tree.map(
         _is_routed_expert, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))

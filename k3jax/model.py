@@ -181,6 +181,20 @@ def abstract_variables(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) 
 def logical_axes(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
     """The logical axis names of every variable as a tree of ``PartitionSpec`` (nothing
     allocated)."""
+    return nn.get_partition_spec(_boxed_shapes(cfg, batch_shape))
+
+
+def abstract_variables_and_axes(cfg: ModelConfig,
+                                batch_shape: tuple[int, int] = (1, 8)) -> tuple[dict, dict]:
+    """Both of the above from one trace of the initialiser (seconds for the full-size model)."""
+    boxed = _boxed_shapes(cfg, batch_shape)
+    # The boxes' values directly: unboxing outside a trace would apply their sharding constraints.
+    shapes = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, boxed,
+                          is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return shapes, nn.get_partition_spec(boxed)
+
+
+def _boxed_shapes(cfg: ModelConfig, batch_shape: tuple[int, int]) -> dict:
+    """The initialiser's output as shapes inside flax's axis-name boxes."""
     tokens = jnp.zeros(batch_shape, jnp.int32)
-    boxed = jax.eval_shape(lambda r: K3Model(cfg).init({"params": r}, tokens), jax.random.key(0))
-    return nn.get_partition_spec(boxed)
+    return jax.eval_shape(lambda r: K3Model(cfg).init({"params": r}, tokens), jax.random.key(0))
