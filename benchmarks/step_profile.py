@@ -1,4 +1,4 @@
-"""Where a preset's train step spends its device time: a profiler trace of the step ``train.py``
+"""Where a preset's train step spends its GPU time: a profiler trace of the step ``train.py``
 runs, every kernel tied to the HLO instruction and the model code it came from.
 
 The step is built as the training loop builds it (the preset's mesh, sharded state, donated

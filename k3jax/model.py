@@ -186,7 +186,8 @@ def logical_axes(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dic
 
 def abstract_variables_and_axes(cfg: ModelConfig,
                                 batch_shape: tuple[int, int] = (1, 8)) -> tuple[dict, dict]:
-    """Both of the above from one trace of the initialiser (seconds for the full-size model)."""
+    """Shapes and dtypes (without shardings) and axis names of the variables, from one trace of
+    the initialiser: tracing the full-size model takes seconds."""
     boxed = _boxed_shapes(cfg, batch_shape)
     # The boxes' values directly: unboxing outside a trace would apply their sharding constraints.
     shapes = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, boxed,
