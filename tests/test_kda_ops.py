@@ -271,11 +271,19 @@ def _fake_pallas(supported, calls):
 
 
 def test_dispatch_is_fail_closed(monkeypatch):
-    """Which path runs, with the real paths replaced by recorders (no computation)."""
+    """Which path runs, with the real paths replaced by recorders (no computation). The op's
+    compiled programs are dropped before each call, so every call traces, i.e. calls a recorder."""
     (q, k, v, g, beta, _), _ = make_inputs(8, 1, 16)
     calls = []
     monkeypatch.setattr(kda_module, "kda_chunked", _fake_path("chunked", calls))
-    path = lambda: calls[-1][0]
+
+    def path():
+        return calls[-1][0]
+
+    def kda(*args, **kw):
+        kda_module._kda_compiled.clear_cache()
+        return kda_module.kda(*args, **kw)
+
     kda(q, k, v, g, beta)                                # a CPU: chunked
     assert path() == "chunked"
     monkeypatch.setattr(kda_module, "hopper_gpus", lambda: True)

@@ -14,6 +14,7 @@ Arguments are validated here, in Python, before anything is traced or compiled.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import typing
 
@@ -150,21 +151,32 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     if not isinstance(output_final_state, bool):
         _fail("kda", "output_final_state", output_final_state, "a bool")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    module = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    path = module if isinstance(module, str) else "pallas"
+    o, final = _kda_compiled(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
+                             chunk_size=chunk_size, output_final_state=output_final_state,
+                             use_qk_l2norm=use_qk_l2norm)
+    return o, (final if output_final_state else None)
+
+
+# One compiled program per path, options and shapes: called outside jit, the op would otherwise
+# dispatch (and compile) each of its many small operations one by one; inside a jitted model the
+# layers that share shapes share one trace.
+@functools.partial(jax.jit, static_argnames=("path", "scale", "chunk_size", "output_final_state",
+                                             "use_qk_l2norm"))
+def _kda_compiled(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chunk_size,
+                  output_final_state, use_qk_l2norm):
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-
-    path = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     if path == "reference":
-        o, final = kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 segment_ids=segment_ids)
-    elif path == "chunked":
-        o, final = kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                               segment_ids=segment_ids, chunk_size=chunk_size)
-    else:
-        return path.kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state, segment_ids=segment_ids,
-                               chunk_size=chunk_size)
-    return o, (final if output_final_state else None)
+        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             segment_ids=segment_ids)
+    if path == "chunked":
+        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           segment_ids=segment_ids, chunk_size=chunk_size)
+    return _pallas_module().kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       segment_ids=segment_ids, chunk_size=chunk_size)
 
 
 def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
