@@ -34,17 +34,18 @@ def logical_to_sharding(specs, mesh: Mesh, rules):
     return jax.tree.map(one, specs, is_leaf=_is_spec)
 
 
-def variable_shardings(model_cfg, mesh: Mesh, rules) -> dict:
+def variable_shardings(model_cfg, mesh: Mesh, rules, axes: dict | None = None) -> dict:
     """``NamedSharding`` of every model variable (``params`` by logical names; ``balance`` and any
-    unnamed variable replicated)."""
-    return logical_to_sharding(logical_axes(model_cfg), mesh, rules)
+    unnamed variable replicated). ``axes``: :func:`k3jax.model.logical_axes` of the config when the
+    caller has it already (each trace of a full-size model takes seconds)."""
+    return logical_to_sharding(logical_axes(model_cfg) if axes is None else axes, mesh, rules)
 
 
 def init_sharded(model_cfg, mesh: Mesh, rules, rng: jax.Array,
-                 batch_shape: tuple[int, int] = (1, 8)) -> dict:
+                 batch_shape: tuple[int, int] = (1, 8), axes: dict | None = None) -> dict:
     """``init_variables`` jitted with ``out_shardings`` from the rules: parameters are created
-    already sharded over ``mesh``."""
-    shardings = variable_shardings(model_cfg, mesh, rules)
+    already sharded over ``mesh``. ``axes`` as in :func:`variable_shardings`."""
+    shardings = variable_shardings(model_cfg, mesh, rules, axes)
     with jax.set_mesh(mesh), _threefry_as_one_kernel(mesh.size == 1):
         return jax.jit(lambda r: init_variables(model_cfg, r, batch_shape),
                        out_shardings=shardings)(rng)

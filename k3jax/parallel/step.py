@@ -27,11 +27,11 @@ from k3jax.parallel.sharding import (
 
 def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,
                        make_state: Callable[[dict, dict], dict],
-                       batch_shape: tuple[int, int] = (1, 8)) -> dict:
-    """Sharded variables (:func:`init_sharded`) -> ``make_state(params, balance)`` jitted with
-    ``out_shardings`` that give every parameter-shaped part of the state (optimiser moments) the
-    parameter's layout; the rest is replicated."""
-    variables = init_sharded(model_cfg, mesh, rules, rng, batch_shape)
+                       batch_shape: tuple[int, int] = (1, 8), axes: dict | None = None) -> dict:
+    """Sharded variables (:func:`init_sharded`; ``axes`` as there) -> ``make_state(params,
+    balance)`` jitted with ``out_shardings`` that give every parameter-shaped part of the state
+    (optimiser moments) the parameter's layout; the rest is replicated."""
+    variables = init_sharded(model_cfg, mesh, rules, rng, batch_shape, axes)
     params, balance = variables["params"], variables.get("balance", {})
     abstract = jax.eval_shape(make_state, params, balance)
     out = like_params_shardings(abstract, params, shardings_of(params), mesh)

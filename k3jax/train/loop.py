@@ -80,7 +80,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
 
 def _run_locked(cfg, workdir: Path, data, log) -> dict:
-    from k3jax.model import K3Model, abstract_variables
+    from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
         batch_placement,
         check_experts_fit,
@@ -98,13 +98,13 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
     if cfg.model.moe is not None:
         check_experts_fit(mesh, rules, cfg.model.moe.num_experts)
-    variables = abstract_variables(cfg.model, (micro, cfg.data.seq_len))
-    params = variables["params"]
-    axes = _logical_axes(cfg.model)
+    # One trace of the initialiser gives the shapes and the axis names for everything below.
+    variables, variable_axes = abstract_variables_and_axes(cfg.model, (micro, cfg.data.seq_len))
+    params, axes = variables["params"], variable_axes["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, axes)
-    if axes is not None:  # the per-device state against the device's memory, before any compile
-        check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
-                         abstract=(params, axes, jax.eval_shape(optimizer.init, params)))
+    # The per-device state against the device's memory, before any compile.
+    check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
+                     abstract=(params, axes, jax.eval_shape(optimizer.init, params)))
 
     def make_state(p, b):
         return init_state(p, b, optimizer, cfg.train.seed)
@@ -127,7 +127,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         (workdir / "config.json").write_text(json.dumps(config, indent=1))
     # Jitted with out_shardings: parameters and optimiser moments are created already sharded.
     state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
-                               make_state, (micro, cfg.data.seq_len))
+                               make_state, (micro, cfg.data.seq_len), variable_axes)
     state_shardings = shardings_of(state)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")

@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh
 
 from k3jax.config.base import ConfigError
 from k3jax.config.mesh import MESH_AXES
-from k3jax.model import abstract_variables, logical_axes
+from k3jax.model import abstract_variables_and_axes
 from k3jax.parallel.sharding import like_params_shardings, logical_to_sharding
 from k3jax.train.optim import build_optimizer
 from k3jax.train.step import init_state
@@ -50,9 +50,8 @@ def _shard_bytes(tree, shardings) -> int | None:
 
 def abstract_state(cfg) -> tuple[dict, dict, dict]:
     """``(params, logical axes, optimiser state)`` of ``cfg`` (an ExperimentConfig) as shapes."""
-    variables = abstract_variables(cfg.model)
-    params = variables["params"]
-    axes = logical_axes(cfg.model)["params"]
+    variables, variable_axes = abstract_variables_and_axes(cfg.model)
+    params, axes = variables["params"], variable_axes["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, axes)
     state = jax.eval_shape(lambda p, b: init_state(p, b, optimizer, cfg.train.seed), params,
                            variables.get("balance", {}))
