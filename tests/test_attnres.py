@@ -71,14 +71,17 @@ def test_mix_equals_the_formula_on_its_sources_values_and_gradients(n_blocks, pa
         own = list(blocks) + ([partial] if partial_mode == "source" else [])
         return jnp.sum(jnp.sin(depth_mix_reference(own, w, g, EPS)) * probe)
 
-    h_ref = depth_mix_reference(srcs, w, g, EPS)
-    h_static = mix(blocks, partial, w, g, partial_mode == "source")
-    h_traced = jax.jit(lambda v: mix(blocks, partial, w, g, v))(partial_mode == "source")
-    for out in (h_static, h_traced):
+    @jax.jit  # one program for the values and gradients of both forms
+    def run(blocks, partial, w, g, valid):
+        h_static = mix(blocks, partial, w, g, partial_mode == "source")
+        h_traced = mix(blocks, partial, w, g, valid)
+        grads = [jax.grad(f, argnums=(0, 1, 2, 3))(blocks, partial, w, g)
+                 for f in (loss_op, loss_ref)]
+        return depth_mix_reference(srcs, w, g, EPS), (h_static, h_traced), grads
+
+    h_ref, outs, (g_op, g_ref) = run(blocks, partial, w, g, partial_mode == "source")
+    for out in outs:
         assert rel_rms(h_ref, out) <= FP32_TOL
-    args = (blocks, partial, w, g)
-    g_op = jax.jit(jax.grad(loss_op, argnums=(0, 1, 2, 3)))(*args)
-    g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3)))(*args)
     for name, a, b in zip(("blocks", "partial", "w", "g"), g_ref, g_op):
         if len(srcs) == 1 and name != "blocks":  # one source: weight 1, no gradient to w, g
             assert float(jnp.max(jnp.abs(jnp.asarray(b)))) == 0.0, name
@@ -200,17 +203,21 @@ def _runners(block):
 @pytest.mark.parametrize("block", [1, 3])
 def test_rule_static_and_traced_and_two_phase_equal_the_spec_bookkeeping(block):
     """Block 1 is Full AttnRes; block 3 does not divide the 4 sub-layers (a partial last block)."""
-    args = _toy(block)
     runs = _runners(block)
-    ref = jax.jit(runs.pop("reference"))(*args)
-    for name, run in runs.items():
-        assert rel_rms(ref, jax.jit(run)(*args)) <= FP32_TOL, name
+    traced = ("rule, traced j", "rule, static head + traced j")
 
     def grads(run):  # w.r.t. the embedding, sub-layer weights, queries and key-norm weights
-        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.cos(run(*a))), argnums=(0, 1, 2, 3)))(*args)
-    want = grads(_runners(block)["reference"])
-    for name in ("rule, traced j", "rule, static head + traced j"):
-        for a, b in zip(want, grads(runs[name])):
+        return jax.grad(lambda *a: jnp.sum(jnp.cos(run(*a))), argnums=(0, 1, 2, 3))
+
+    # One program for every form's value and the gradients of the reference and the scans.
+    values, grad_of = jax.jit(lambda *a: ({name: run(*a) for name, run in runs.items()},
+                                          {name: grads(runs[name])(*a)
+                                           for name in ("reference", *traced)}))(*_toy(block))
+    ref = values.pop("reference")
+    for name, out in values.items():
+        assert rel_rms(ref, out) <= FP32_TOL, name
+    for name in traced:
+        for a, b in zip(grad_of["reference"], grad_of[name]):
             assert rel_rms(a, b) <= FP32_TOL, name
 
 
@@ -303,6 +310,7 @@ def _is_attnres(path) -> bool:
     return any(getattr(k, "key", None) in ("query", "key_norm") for k in path)
 
 
+@jax.jit
 def _perturbed(params):
     """Move every pseudo-query (and key-norm weight) away from its init so the mix is not
     uniform."""
