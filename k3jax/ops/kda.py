@@ -14,7 +14,6 @@ Arguments are validated here, in Python, before anything is traced or compiled.
 
 from __future__ import annotations
 
-import functools
 import numbers
 import typing
 
@@ -153,19 +152,19 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     module = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     path = module if isinstance(module, str) else "pallas"
-    o, final = _kda_compiled(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
-                             chunk_size=chunk_size, output_final_state=output_final_state,
-                             use_qk_l2norm=use_qk_l2norm)
+    # Called outside jit, the op would dispatch (and compile) each of its many small operations
+    # one by one: it runs as one compiled program instead. Inside a trace it is inlined as it is,
+    # so a model's program stays flat (a nested jit per layer slowed the H200 train step).
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v, g, beta, initial_state))
+    run = _kda_path if traced else _kda_compiled
+    o, final = run(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
+                   chunk_size=chunk_size, output_final_state=output_final_state,
+                   use_qk_l2norm=use_qk_l2norm)
     return o, (final if output_final_state else None)
 
 
-# One compiled program per path, options and shapes: called outside jit, the op would otherwise
-# dispatch (and compile) each of its many small operations one by one; inside a jitted model the
-# layers that share shapes share one trace.
-@functools.partial(jax.jit, static_argnames=("path", "scale", "chunk_size", "output_final_state",
-                                             "use_qk_l2norm"))
-def _kda_compiled(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chunk_size,
-                  output_final_state, use_qk_l2norm):
+def _kda_path(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chunk_size,
+              output_final_state, use_qk_l2norm):
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if path == "reference":
@@ -177,6 +176,10 @@ def _kda_compiled(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, 
     return _pallas_module().kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                        output_final_state=output_final_state,
                                        segment_ids=segment_ids, chunk_size=chunk_size)
+
+
+_kda_compiled = jax.jit(_kda_path, static_argnames=("path", "scale", "chunk_size",
+                                                    "output_final_state", "use_qk_l2norm"))
 
 
 def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
