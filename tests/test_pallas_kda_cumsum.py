@@ -20,15 +20,15 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk):
     sequential cumsum and its VJP, softplus-sized gates (tens of nats a chunk), a random cotangent,
     within FP32_TOL."""
     @jax.jit  # inputs, the reference's value and VJP in one compile
-    def reference():
-        kg, kq, kc = jax.random.split(jax.random.PRNGKey(0), 3)
+    def reference(key):
+        kg, kq, kc = jax.random.split(key, 3)
         g = -jnp.exp(1.5) * jax.nn.softplus(2.0 * jax.random.normal(kg, (2, 128, 3, dk)))
         qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
         ref, ref_vjp = jax.vjp(chunk_cumsum_reference, g)
         ct = jax.random.normal(kc, ref.shape)
         return g, qk, ref, ct, ref_vjp(ct)[0]
 
-    g, qk, ref, ct, ref_back = reference()
+    g, qk, ref, ct, ref_back = reference(jax.random.PRNGKey(0))
     # jitted: the interpreter is far slower op by op
     out = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[0])(g, qk)
     assert out.shape == (2, 3, 128, dk) and out.dtype == jnp.float32
