@@ -5,6 +5,8 @@ gradients, with packed segments: XLA's path on any backend; cuDNN's fused kernel
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,6 +17,7 @@ from k3jax.ops.attention import attention_reference, causal_attention
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "b", "t", "h", "dk", "dv"))
 def _inputs(dtype, b=2, t=64, h=3, dk=48, dv=32):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k = (jax.random.normal(kk, (b, t, h, dk), jnp.float32).astype(dtype) for kk in keys[:2])
@@ -27,6 +30,7 @@ def _inputs(dtype, b=2, t=64, h=3, dk=48, dv=32):
     return q, k, v, attention_mask(seg, b, t), cot
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile each, not one per op
 def _values_and_grads(fn, q, k, v, mask, cot):
     out, vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, mask, 0.125).astype(jnp.float32), q, k, v)
     return out, vjp(cot)
@@ -34,7 +38,7 @@ def _values_and_grads(fn, q, k, v, mask, cot):
 
 def _check(dtype, out_tol, grad_tol):
     q, k, v, mask, cot = _inputs(dtype)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    f32 = jax.jit(lambda *x: [a.astype(jnp.float32) for a in x])(q, k, v)
     ref, ref_grads = _values_and_grads(attention_reference, *f32, mask, cot)
     out, grads = _values_and_grads(causal_attention, q, k, v, mask, cot)
     assert rel_rms(ref, out) <= out_tol, rel_rms(ref, out)

@@ -44,12 +44,16 @@ def workdir(tmp_path_factory):
     run.mkdir()
     config = cfg.to_dict()
     (run / "config.json").write_text(json.dumps(config, indent=1))
+    # init_state jitted: one compile instead of one per optimizer-state leaf
     state = _state(cfg, 2, jax.jit(init_variables, static_argnums=(0, 2)), build_optimizer,
-                   init_state)
+                   jax.jit(init_state, static_argnums=(2, 3)))
     ckpt = Checkpointer(run / "checkpoints", 1, async_save=False, log=lambda m: None)
     ckpt.save(3, state, {"config": config, "step": 3})
     ckpt.close()
-    return run, cfg, {"params": state["params"], "balance": state["balance"]}
+    # committed to the device like the restored checkpoint, so generate() below reuses the
+    # programs the command line compiled (jit keys its cache on committedness too)
+    variables = {"params": state["params"], "balance": state["balance"]}
+    return run, cfg, jax.device_put(variables, jax.devices()[0])
 
 
 def _main(capsys, *argv):

@@ -46,7 +46,8 @@ def test_group_rows_lays_groups_out_aligned_in_order(align, keep):
     ids = rng.integers(0, groups + 2, slots)                      # ids >= groups live elsewhere
     ids[ids == 3] = 0                                            # group 3 is empty
     rows = aligned_rows(slots if keep is None else keep, groups, align)
-    pos, sizes = group_rows(jnp.asarray(ids, jnp.int32), groups, rows, align, keep)
+    pos, sizes = jax.jit(group_rows, static_argnums=(1, 2, 3, 4))(  # one compile, not one per op
+        ids.astype(np.int32), groups, rows, align, keep)
     expect_pos, expect_sizes, start, taken = np.full(slots, rows), [], 0, 0
     for g in range(groups):
         members = [s for s in range(slots) if ids[s] == g]
@@ -76,7 +77,6 @@ def test_permute_rows_gradient_is_the_gather_transpose(fan_out):
     inv[src[src < slots]] = np.nonzero(src < slots)[0]
     x = jax.random.normal(jax.random.key(0), (tokens, 5))
     cot = jax.random.normal(jax.random.key(1), (rows_out, 5))
-    src, inv = jnp.asarray(src), jnp.asarray(inv)
 
     def ref(x):
         return jnp.take(jnp.repeat(x, fan_out, axis=0), src, axis=0, mode="fill", fill_value=0)
@@ -84,8 +84,9 @@ def test_permute_rows_gradient_is_the_gather_transpose(fan_out):
     def ours(x):
         return permute_rows(x, src, inv, fan_out)
 
-    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(ref(x)))
-    grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * cot))(x) for f in (ours, ref)]
+    # each value and gradient in one compile, not one per op
+    np.testing.assert_array_equal(np.asarray(jax.jit(ours)(x)), np.asarray(jax.jit(ref)(x)))
+    grads = [jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x) * cot)))(x) for f in (ours, ref)]
     assert rel_rms(grads[1], grads[0]) <= FP32_TOL               # same sums, another order
     assert np.any(np.asarray(grads[1]) != 0)
 
@@ -100,12 +101,16 @@ def test_tile_kernel_matches_reference(transpose_rhs):
     """bf16 operands, fp32 accumulation: the interpreted kernel equals the reference on every tile
     that has a group (math §10 bf16 output tolerance)."""
     k, n, groups = 128, 256, 3
-    tile_group = jnp.array([0, 2, 2, -1, 1], jnp.int32)
-    x = jax.random.normal(jax.random.key(0), (BM * 5, k)).astype(jnp.bfloat16)
+    tile_group = np.array([0, 2, 2, -1, 1], np.int32)
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
-    w = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
-    out = tiled.tiled_gmm(x, w, tile_group, transpose_rhs=transpose_rhs, interpret=True)
-    ref = tiled.tiled_gmm_reference(x, w, tile_group, transpose_rhs=transpose_rhs)
+    x, w = jax.jit(lambda kx, kw: (jax.random.normal(kx, (BM * 5, k)).astype(jnp.bfloat16),
+                                   jax.random.normal(kw, shape).astype(jnp.bfloat16)))(
+        jax.random.key(0), jax.random.key(1))
+    # jitted: the interpreter is far slower op by op
+    out = jax.jit(lambda x, w, t: tiled.tiled_gmm(x, w, t, transpose_rhs=transpose_rhs,
+                                                  interpret=True))(x, w, tile_group)
+    ref = jax.jit(lambda x, w, t: tiled.tiled_gmm_reference(x, w, t, transpose_rhs=transpose_rhs))(
+        x, w, tile_group)
     real = np.repeat(np.asarray(tile_group) >= 0, BM)
     assert rel_rms(np.asarray(ref, np.float32)[real], np.asarray(out, np.float32)[real]) \
         <= BF16_OUT_TOL
@@ -144,11 +149,16 @@ def test_tile_kernel_custom_vjp_equals_ragged_dot():
     present = np.zeros(rows, bool)
     present[:real[0]] = True
     present[2 * BM: 4 * BM] = True
-    kx, kw, kc = jax.random.split(jax.random.key(2), 3)
-    x = jnp.where(present[:, None], jax.random.normal(kx, (rows, k)), 0).astype(jnp.bfloat16)
-    w = (jax.random.normal(kw, (3, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-    cot = jax.random.normal(kc, (rows, n))
-    mask = jnp.asarray(present)[:, None]
+
+    @jax.jit  # one compile, not one per op
+    def inputs(key):
+        kx, kw, kc = jax.random.split(key, 3)
+        x = jnp.where(present[:, None], jax.random.normal(kx, (rows, k)), 0).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (3, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+        return x, w, jax.random.normal(kc, (rows, n))
+
+    x, w, cot = inputs(jax.random.key(2))
+    mask = present[:, None]
 
     def loss(f):
         return lambda x, w: jnp.sum(jnp.where(mask, f(x, w), 0.0) * cot)
@@ -156,10 +166,11 @@ def test_tile_kernel_custom_vjp_equals_ragged_dot():
     ours = lambda x, w: kernel_gmm(x, w, sizes, INTERPRETED)  # noqa: E731
     ref = lambda x, w: jax.lax.ragged_dot(  # noqa: E731
         x.astype(jnp.float32), w.astype(jnp.float32), sizes)
-    y, y_ref = np.asarray(ours(x, w)), np.asarray(ref(x, w))
+    # each value and gradient in one compile (the interpreter is far slower op by op)
+    y, y_ref = np.asarray(jax.jit(ours)(x, w)), np.asarray(jax.jit(ref)(x, w))
     assert rel_rms(y_ref[present], y[present]) <= BF16_OUT_TOL
-    dx, dw = jax.grad(loss(ours), argnums=(0, 1))(x, w)
-    rx, rw = jax.grad(loss(ref), argnums=(0, 1))(x, w)
+    dx, dw = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, w)
+    rx, rw = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, w)
     dx = np.asarray(dx, np.float32)
     assert np.all(np.isfinite(dx[present])) and np.all(np.isfinite(np.asarray(dw, np.float32)))
     assert rel_rms(np.asarray(rx)[present], dx[present]) <= BF16_GRAD_QKV_TOL

@@ -7,6 +7,8 @@ reference; ``dW`` is returned in the weight's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from k3jax.ops.head import head_logits
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, rel_rms
 
 
+@functools.partial(jax.jit, static_argnames=("b", "t", "d", "v"))  # one compile, not one per op
 def _inputs(seed: int, b=2, t=8, d=32, v=48):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     h = jax.random.normal(k1, (b, t, d), jnp.float32).astype(jnp.bfloat16)
@@ -30,8 +33,9 @@ def _loss(logits, targets):
 
 def test_forward_is_the_plain_product():
     h, w, _ = _inputs(0)
-    plain = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
-    out = head_logits(h, w)
+    plain = jax.jit(lambda h, w: jnp.einsum("btd,dv->btv", h, w,
+                                            preferred_element_type=jnp.float32))(h, w)
+    out = jax.jit(head_logits)(h, w)
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
 
@@ -39,9 +43,12 @@ def test_forward_is_the_plain_product():
 def test_gradients_match_fp64_within_bf16_tolerance():
     h, w, targets = _inputs(1)
     with jax.enable_x64(True):
-        ref = jax.grad(lambda a, b: _loss(jnp.einsum("btd,dv->btv", a, b), targets),
-                       argnums=(0, 1))(h.astype(jnp.float64), w.astype(jnp.float64))
-    dh, dw = jax.grad(lambda a, b: _loss(head_logits(a, b), targets), argnums=(0, 1))(h, w)
+        grad = jax.grad(lambda a, b: _loss(jnp.einsum("btd,dv->btv", a, b), targets),
+                        argnums=(0, 1))
+        ref = jax.jit(lambda h, w: grad(h.astype(jnp.float64), w.astype(jnp.float64)))(h, w)
+    assert ref[0].dtype == ref[1].dtype == np.float64
+    dh, dw = jax.jit(jax.grad(lambda a, b: _loss(head_logits(a, b), targets),
+                              argnums=(0, 1)))(h, w)
     assert dh.dtype == h.dtype and dw.dtype == w.dtype
     assert rel_rms(ref[0], dh) <= BF16_GRAD_QKV_TOL, rel_rms(ref[0], dh)
     assert rel_rms(ref[1], dw) <= BF16_GRAD_QKV_TOL, rel_rms(ref[1], dw)
@@ -49,6 +56,6 @@ def test_gradients_match_fp64_within_bf16_tolerance():
 
 def test_fp32_weights_get_fp32_gradients():
     h, w, targets = _inputs(2)
-    w32 = w.astype(jnp.float32)
-    dw = jax.grad(lambda b: _loss(head_logits(h, b.astype(h.dtype)), targets))(w32)
+    w32 = np.asarray(w, np.float32)
+    dw = jax.jit(jax.grad(lambda b: _loss(head_logits(h, b.astype(h.dtype)), targets)))(w32)
     assert dw.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(dw)))

@@ -7,6 +7,7 @@ relative RMS of math §10 (:func:`k3jax.ops.tolerance.rel_rms`).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -102,6 +103,8 @@ def packed_segments(b, t):
     return jnp.asarray(ids)
 
 
+# jitted once for the module: cases of the same shapes share the compiled program
+@functools.partial(jax.jit, static_argnums=0, static_argnames="chunk_size")
 def run_with_grads(impl, args, cots, segment_ids=None, chunk_size=CHUNK):
     """``(o, final_state, grads)``, grads of ``sum(o * do) + sum(final * dh)`` w.r.t. all inputs."""
     def fn(q, k, v, g, beta, h0):
@@ -110,12 +113,8 @@ def run_with_grads(impl, args, cots, segment_ids=None, chunk_size=CHUNK):
             return kda_reference(q, k, v, g, beta, **kw)
         return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
 
-    @jax.jit
-    def go(args, cots):
-        (o, s), vjp = jax.vjp(fn, *args)
-        return o, s, vjp((cots[0].astype(o.dtype), cots[1]))
-
-    return go(args, cots)
+    (o, s), vjp = jax.vjp(fn, *args)
+    return o, s, vjp((cots[0].astype(o.dtype), cots[1]))
 
 
 def assert_close(name, ref, out, tol):
@@ -146,7 +145,8 @@ def numpy_recurrence(q, k, v, g, beta, h0, seg, scale):
 def test_reference_matches_float64_numpy():
     (q, k, v, g, beta, h0), _ = make_inputs(0, 2, 40, gate="lower_bound")
     seg = packed_segments(2, 40)
-    o, s = kda_reference(q, k, v, g, beta, scale=SCALE, initial_state=h0, segment_ids=seg)
+    o, s = jax.jit(kda_reference, static_argnames="scale")(  # one compile, not one per op
+        q, k, v, g, beta, scale=SCALE, initial_state=h0, segment_ids=seg)
     o64, s64 = numpy_recurrence(q, k, v, g, beta, h0, np.asarray(seg), SCALE)
     assert_close("o", o64, o, FP32_TOL)
     assert_close("state", s64, s, FP32_TOL)
@@ -180,7 +180,7 @@ def test_overflow_full_chunk_of_strongest_decay():
     ``exp(-G)`` overflows fp32; values and every gradient must stay finite and accurate."""
     args, cots = make_inputs(2, 1, 64, gate="lower_bound_strong")
     q, k, v, g, beta, h0 = args
-    g = jnp.full_like(g, -5.0)                                 # the bound itself
+    g = np.full(g.shape, -5.0, np.float32)                     # the bound itself
     args = (q, k, v, g, beta, h0)
     ro, rs, rg = run_with_grads("reference", args, cots)
     co, cs, cg = run_with_grads("chunked", args, cots, chunk_size=64)
@@ -217,17 +217,19 @@ def _chunked_with_state(q, k, v, g, beta, h0):
 
 
 def test_split_run_with_carried_state_equals_one_run():
-    (q, k, v, g, beta, h0), _ = make_inputs(5, 2, 40, gate="lower_bound")
+    args, _ = make_inputs(5, 2, 40, gate="lower_bound")
+    q, k, v, g, beta, h0 = map(np.asarray, args)  # host arrays: slicing them compiles nothing
     full, s_full = _chunked_with_state(q, k, v, g, beta, h0)
     cut = 24  # the second part starts in the middle of a chunk of the whole run
     o1, s1 = _chunked_with_state(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], h0)
     o2, s2 = _chunked_with_state(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
-    assert_close("o", full, jnp.concatenate([o1, o2], axis=1), FP32_TOL)
+    assert_close("o", full, np.concatenate([o1, o2], axis=1), FP32_TOL)
     assert_close("final_state", s_full, s2, FP32_TOL)
 
 
 def test_decode_steps_match_recurrence():
-    (q, k, v, g, beta, h0), _ = make_inputs(6, 2, 12, gate="softplus")
+    args, _ = make_inputs(6, 2, 12, gate="softplus")
+    q, k, v, g, beta, h0 = map(np.asarray, args)  # host arrays: slicing them compiles nothing
     ro, rs = jax.jit(lambda *a: kda(*a, initial_state=h0, output_final_state=True,
                                     impl="reference"))(q, k, v, g, beta)
     step = jax.jit(lambda *a: kda_decode(*a))
@@ -236,19 +238,19 @@ def test_decode_steps_match_recurrence():
         o, state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         outs.append(o)
     assert state.dtype == jnp.float32
-    assert_close("o", ro, jnp.stack(outs, axis=1), FP32_TOL)
+    assert_close("o", ro, np.stack(outs, axis=1), FP32_TOL)
     assert_close("state", rs, state, FP32_TOL)
 
 
 # ---------------------------------------------------------------------------- the public API
 def test_public_api_defaults_and_qk_normalisation():
     (q, k, v, g, beta, _), _ = make_inputs(7, 1, 20, gate="lower_bound")
-    raw_q, raw_k = 3.0 * q + 0.1, -2.0 * k
+    raw_q, raw_k = 3.0 * np.asarray(q) + 0.1, -2.0 * np.asarray(k)
     run = jax.jit(kda, static_argnames=("chunk_size", "impl", "use_qk_l2norm"))
     o, none = run(raw_q, raw_k, v, g, beta, use_qk_l2norm=True, chunk_size=CHUNK, impl="chunked")
     assert none is None
-    q_n = l2_normalize(raw_q)
-    want, _ = jax.jit(kda_reference, static_argnames="scale")(q_n, l2_normalize(raw_k), v, g, beta,
+    q_n, k_n = jax.jit(lambda q, k: (l2_normalize(q), l2_normalize(k)))(raw_q, raw_k)
+    want, _ = jax.jit(kda_reference, static_argnames="scale")(q_n, k_n, v, g, beta,
                                                                scale=DK**-0.5)
     assert_close("o", want, o, FP32_TOL)
     np.testing.assert_allclose(np.linalg.norm(np.asarray(q_n), axis=-1), 1.0, rtol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import jax
@@ -19,6 +20,7 @@ from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 E, K, D, M = 6, 2, 16, 8
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "e", "d", "m"))
 def _experts(key, dtype=jnp.float32, e=E, d=D, m=M):
     kg, ku, kd = jax.random.split(key, 3)
     return ExpertWeights(0.3 * jax.random.normal(kg, (e, d, m), dtype),
@@ -41,6 +43,7 @@ def _block_cfg(latent=True, **moe):
     return ModelConfig(d_model=32, moe=MoEConfig(**base), dtype="float32", init_std=0.1)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile per config, not one per op
 def _init(cfg, x):
     return MoEBlock(cfg).init(jax.random.key(1), x, deterministic=True)
 
@@ -59,7 +62,8 @@ def test_ragged_matches_dense_values_and_grads(act):
     def loss(fn):
         return lambda x, w, ex: jnp.sum(fn(x, ids, w, ex, act) * ct)
 
-    out_r, out_d = ragged_dispatch(x, ids, w, ex, act), dense_dispatch(x, ids, w, ex, act)
+    out_r = jax.jit(lambda x, w, ex: ragged_dispatch(x, ids, w, ex, act))(x, w, ex)
+    out_d = jax.jit(lambda x, w, ex: dense_dispatch(x, ids, w, ex, act))(x, w, ex)
     assert rel_rms(out_d, out_r) <= FP32_TOL
     g_r = jax.jit(jax.grad(loss(ragged_dispatch), argnums=(0, 1, 2)))(x, w, ex)
     g_d = jax.jit(jax.grad(loss(dense_dispatch), argnums=(0, 1, 2)))(x, w, ex)
@@ -67,9 +71,9 @@ def test_ragged_matches_dense_values_and_grads(act):
                           jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
         assert rel_rms(a, b) <= FP32_TOL, name
     # The expert with no token has zero gradient; the single-token expert a non-zero one.
-    for g in g_r[2]:
-        assert float(jnp.max(jnp.abs(g[5]))) == 0.0
-        assert float(jnp.max(jnp.abs(g[4]))) > 0.0
+    for g in map(np.asarray, g_r[2]):
+        assert np.max(np.abs(g[5])) == 0.0
+        assert np.max(np.abs(g[4])) > 0.0
 
 
 def test_ragged_bf16_against_fp32_dense():
@@ -78,9 +82,10 @@ def test_ragged_bf16_against_fp32_dense():
     ids = _skewed_ids(n)
     w = jax.random.uniform(jax.random.key(2), (n, K), minval=0.1, maxval=1.0)
     ex = _experts(jax.random.key(3))
-    ref = dense_dispatch(x, ids, w, ex, GLUSpec())
-    out = ragged_dispatch(x.astype(jnp.bfloat16), ids, w,
-                          ExpertWeights(*(a.astype(jnp.bfloat16) for a in ex)), GLUSpec())
+    ref = jax.jit(lambda x, w, ex: dense_dispatch(x, ids, w, ex, GLUSpec()))(x, w, ex)
+    out = jax.jit(lambda x, w, ex: ragged_dispatch(
+        x.astype(jnp.bfloat16), ids, w, ExpertWeights(*(a.astype(jnp.bfloat16) for a in ex)),
+        GLUSpec()))(x, w, ex)
     assert out.dtype == jnp.bfloat16
     assert rel_rms(ref, out) <= BF16_OUT_TOL
 
@@ -104,32 +109,35 @@ def test_dispatch_table_names_are_the_config_names_and_errors():
 # -- router -------------------------------------------------------------------------------------
 
 def test_router_weights_renormalised_and_bias_only_selects():
-    s = router_scores(jax.random.normal(jax.random.key(0), (64, D)),
-                      jax.random.normal(jax.random.key(1), (D, E)))
-    bias = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 2.0])   # forces expert 5 into every top-2
-    ids, w = route(s, bias, K, routed_scaling_factor=2.5)
+    s = jax.jit(router_scores)(jax.random.normal(jax.random.key(0), (64, D)),
+                               jax.random.normal(jax.random.key(1), (D, E)))
+    bias = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 2.0], np.float32)  # expert 5 into every top-2
+    routed = jax.jit(route, static_argnums=(2, 3))  # one compile per factor, not one per op
+    ids, w = routed(s, bias, K, 2.5)
     np.testing.assert_allclose(np.sum(w, -1), 2.5, rtol=1e-6)
-    assert bool(jnp.all(jnp.any(ids == 5, axis=-1)))
+    assert np.all(np.any(np.asarray(ids) == 5, axis=-1))
     # Weights are the renormalised *unbiased* scores of the chosen experts.
     chosen = np.take_along_axis(np.asarray(s), np.asarray(ids), -1)
     np.testing.assert_allclose(w, chosen / chosen.sum(-1, keepdims=True) * 2.5, rtol=1e-6)
     # Without the bias the selection is the plain top-k of the scores.
-    ids0, _ = route(s, jnp.zeros(E), K, 1.0)
-    np.testing.assert_array_equal(ids0, jax.lax.top_k(s, K)[1])
+    ids0, _ = routed(s, np.zeros(E, np.float32), K, 1.0)
+    np.testing.assert_array_equal(ids0, jax.jit(lambda s: jax.lax.top_k(s, K)[1])(s))
     # No gradient reaches the bias through the weights.
-    gb = jax.grad(lambda b: jnp.sum(route(s, b, K, 1.0)[1] * jnp.arange(K)))(bias)
-    assert float(jnp.max(jnp.abs(gb))) == 0.0
+    gb = jax.jit(jax.grad(lambda b: jnp.sum(route(s, b, K, 1.0)[1] * jnp.arange(K))))(bias)
+    assert np.max(np.abs(gb)) == 0.0
 
 
 def test_block_bias_shift_keeps_output_and_large_bias_changes_selection():
     cfg = _block_cfg()
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     v = _init(cfg, x)
-    f = lambda bias: MoEBlock(cfg).apply({**v, "balance": {"bias": bias}}, x,  # noqa: E731
-                                         deterministic=True)    # eager: cheaper than a compile
-    y0 = f(jnp.zeros(8))
-    np.testing.assert_array_equal(f(jnp.full(8, 0.37)), y0)     # common shift: same top-k
-    assert rel_rms(y0, f(jnp.zeros(8).at[3].set(5.0))) > 1e-2     # forced expert: other output
+    f = jax.jit(lambda bias: MoEBlock(cfg).apply({**v, "balance": {"bias": bias}}, x,
+                                                 deterministic=True))    # one compile, 3 runs
+    y0 = f(np.zeros(8, np.float32))
+    np.testing.assert_array_equal(f(np.full(8, 0.37, np.float32)), y0)  # common shift: same top-k
+    forced = np.zeros(8, np.float32)
+    forced[3] = 5.0
+    assert rel_rms(y0, f(forced)) > 1e-2     # forced expert: other output
 
 
 def _dense_twin(cfg):
@@ -160,8 +168,8 @@ def test_block_ragged_matches_dense_plain_values():
     v = _init(cfg, x)
     assert "latent_down" not in v["params"]
     assert v["params"]["expert_gate"].value.shape == (8, 32, 16)
-    ref = MoEBlock(_dense_twin(cfg)).apply(v, x, deterministic=True)
-    assert rel_rms(ref, MoEBlock(cfg).apply(v, x, deterministic=True)) <= FP32_TOL
+    apply = lambda c: jax.jit(lambda v, x: MoEBlock(c).apply(v, x, deterministic=True))  # noqa: E731
+    assert rel_rms(apply(_dense_twin(cfg))(v, x), apply(cfg)(v, x)) <= FP32_TOL
 
 
 def test_latent_norm_makes_routed_branch_invariant_to_scaling_factor():
@@ -174,11 +182,16 @@ def test_latent_norm_makes_routed_branch_invariant_to_scaling_factor():
         v = _init(_block_cfg(latent, shared_intermediate=0, **kw).replace(rms_eps=1e-12), x)
         return MoEBlock(cfg).apply(v, x, deterministic=True)
 
-    assert rel_rms(out(True, 1.0), out(True, 2.446)) <= FP32_TOL
+    @jax.jit  # the six blocks in one compile
+    def outputs(x):
+        cases = ((True, {}), (False, {}), (True, {"latent_norm": False}))
+        return [(out(latent, 1.0, **kw), out(latent, 2.446, **kw)) for latent, kw in cases]
+
+    (normed, normed_scaled), *unnormed = outputs(x)
+    assert rel_rms(normed, normed_scaled) <= FP32_TOL
     # Without the norm (plain MoE, or latent without norm) the factor scales the routed branch.
-    for kw in ({"latent": False}, {"latent": True, "latent_norm": False}):
-        latent = kw.pop("latent")
-        assert rel_rms(2.446 * out(latent, 1.0, **kw), out(latent, 2.446, **kw)) <= FP32_TOL
+    for one, scaled in unnormed:
+        assert rel_rms(2.446 * np.asarray(one), scaled) <= FP32_TOL
 
 
 # -- balancing collections and aux loss -----------------------------------------------------------
@@ -187,11 +200,13 @@ def test_eval_leaves_bias_and_stats_untouched_training_writes_stats():
     cfg = _block_cfg()
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     v = _init(cfg, x)
-    v = {**v, "balance": {"bias": jnp.linspace(-0.2, 0.2, 8)}}
-    _, mut = MoEBlock(cfg).apply(v, x, deterministic=True, mutable=["balance", "balance_stats"])
+    v = {**v, "balance": {"bias": np.linspace(-0.2, 0.2, 8, dtype=np.float32)}}
+    apply = lambda det: jax.jit(lambda v, x: MoEBlock(cfg).apply(  # noqa: E731
+        v, x, deterministic=det, mutable=["balance", "balance_stats"]))
+    _, mut = apply(True)(v, x)
     np.testing.assert_array_equal(mut["balance"]["bias"], v["balance"]["bias"])
     assert "balance_stats" not in mut or not mut["balance_stats"]
-    _, mut = MoEBlock(cfg).apply(v, x, deterministic=False, mutable=["balance", "balance_stats"])
+    _, mut = apply(False)(v, x)
     np.testing.assert_array_equal(mut["balance"]["bias"], v["balance"]["bias"])
     stats = mut["balance_stats"]["bias"]
     assert int(stats["load"].sum()) == 16 * cfg.moe.top_k
@@ -200,14 +215,15 @@ def test_eval_leaves_bias_and_stats_untouched_training_writes_stats():
 
 def test_aux_loss_batch_and_sequence_level():
     # Sequence 0 routes to experts {0, 1}, sequence 1 to {2, 3}; the scores agree with the routing.
-    s0 = jnp.array([0.9, 0.9, 0.1, 0.1])
-    scores = jnp.stack([jnp.tile(s0, (5, 1)), jnp.tile(s0[::-1], (5, 1))])     # [2, 5, 4]
-    ids = jnp.stack([jnp.tile(jnp.array([0, 1]), (5, 1)), jnp.tile(jnp.array([2, 3]), (5, 1))])
+    s0 = np.array([0.9, 0.9, 0.1, 0.1], np.float32)
+    scores = np.stack([np.tile(s0, (5, 1)), np.tile(s0[::-1], (5, 1))])     # [2, 5, 4]
+    ids = np.stack([np.tile(np.array([0, 1], np.int32), (5, 1)),
+                    np.tile(np.array([2, 3], np.int32), (5, 1))])
+    loss = jax.jit(aux_balance_loss, static_argnums=(2, 3))  # one compile each, not one per op
     # Batch level: every expert has f = 1/4 and P = 1/4 -> alpha * 4 * 4/16 = alpha.
-    np.testing.assert_allclose(aux_balance_loss(scores, ids, 0.01), 0.01, rtol=1e-6)
+    np.testing.assert_allclose(loss(scores, ids, 0.01, False), 0.01, rtol=1e-6)
     # Per sequence: f = (1/2, 1/2, 0, 0), P = (.45, .45, .05, .05) -> alpha * 4 * 0.45 = 1.8 alpha.
-    np.testing.assert_allclose(aux_balance_loss(scores, ids, 0.01, per_sequence=True), 0.018,
-                               rtol=1e-6)
+    np.testing.assert_allclose(loss(scores, ids, 0.01, True), 0.018, rtol=1e-6)
 
 
 def test_block_sows_aux_loss_with_router_gradient():
@@ -220,11 +236,12 @@ def test_block_sows_aux_loss_with_router_gradient():
         return mut["losses"]["moe_aux"][0]
 
     assert "losses" not in v                       # evaluation-mode init sows nothing
-    _, mut = MoEBlock(cfg).apply(v, x, deterministic=True, mutable=["losses"])
+    _, mut = jax.jit(lambda v, x: MoEBlock(cfg).apply(v, x, deterministic=True,
+                                                       mutable=["losses"]))(v, x)
     assert not mut.get("losses")                   # evaluation sows nothing either
-    assert float(aux(v["params"])) > 0.0
-    g = jax.grad(aux)(v["params"])
-    assert float(jnp.max(jnp.abs(g["router"].value))) > 0.0
+    loss, g = jax.jit(jax.value_and_grad(aux))(v["params"])  # one compile for both
+    assert float(loss) > 0.0
+    assert np.max(np.abs(np.asarray(g["router"].value))) > 0.0
 
 
 # -- configuration errors --------------------------------------------------------------------------

@@ -36,6 +36,10 @@ def _bf16(x):
     return x.astype(jnp.bfloat16)
 
 
+# The helpers build their cases op by op; jitted, a case is one compile instead of dozens.
+_bf16_case = jax.jit(kda_bf16_case, static_argnums=range(7))
+
+
 def _values_and_grads(fn, args, do, dfin):
     """``fn``'s outputs ``(o, final)`` and the gradients of ``sum(o * do) + sum(final * dfin)``
     w.r.t. all six arguments, from one forward, jitted (the interpreted kernels run far slower op
@@ -70,9 +74,10 @@ def _check_all(args, seg, do, dfin, inputs=_bf16):
 
 def _softplus_segments_case():
     """A softplus gate whose 16-token decays exceed fp32's exp range, packed segments, T = 150."""
-    args, _, _ = kda_bf16_case(0, 1, 150, 2, 64, 64, "softplus")
-    assert float(jnp.min(jnp.sum(args[3][:, :16], axis=1))) < -88.0  # the overflow regime
-    seg = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(9), 0.03, (1, 150)), axis=1)
+    args, _, _ = _bf16_case(0, 1, 150, 2, 64, 64, "softplus")
+    assert np.min(np.sum(np.asarray(args[3])[:, :16], axis=1)) < -88.0  # the overflow regime
+    seg = jax.jit(lambda key: jnp.cumsum(jax.random.bernoulli(key, 0.03, (1, 150)), axis=1))(
+        jax.random.PRNGKey(9))
     return args, seg
 
 
@@ -94,20 +99,20 @@ def test_prep_reference_matches_recurrence_fp32_softplus_segments():
     (q, k, v, g, beta, h0), seg = _softplus_segments_case()
     ro, rf = _recurrence(q, k, v, g, beta, initial_state=h0, segment_ids=seg)
     o, f = _chunked_reference(q, k, v, g, beta, h0, seg)
-    assert rel_rms(ro, jnp.swapaxes(o, 1, 2)[:, :150]) <= FP32_TOL
+    assert rel_rms(ro, np.swapaxes(o, 1, 2)[:, :150]) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
 
 def test_prep_reference_matches_recurrence_fp32_correlated_keys():
     """The token-parallel part's reference plus the plain-JAX state pass equals the recurrence
     (fp32) where powers of ``L`` blow up (:func:`kda_correlated_keys_case`)."""
-    (q, k, v, g, beta, h0), _, _ = kda_correlated_keys_case()
+    (q, k, v, g, beta, h0), _, _ = jax.jit(kda_correlated_keys_case)()
     chunk = np.asarray(k[0, :64, 0], np.float64)
     lower = np.tril(chunk @ chunk.T, -1) * 0.99
     assert np.abs(np.linalg.matrix_power(lower, 32)).max() > 1e12  # the hard regime is exercised
     ro, rf = _recurrence(q, k, v, g, beta, initial_state=h0)
     o, f = _chunked_reference(q, k, v, g, beta, h0)
-    assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= FP32_TOL
+    assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= FP32_TOL
     assert rel_rms(rf, f) <= FP32_TOL
 
 
@@ -117,22 +122,30 @@ def test_state_kernels_match_plain_jax(dv):
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one and two
     value tiles."""
     # five chunks: both slots reused
-    args, _, _ = kda_bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
-    p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
-    p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
-                   aqk=bf16_rounded(p.aqk))
+    args, _, _ = _bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
+
+    @jax.jit
+    def reference(args):
+        p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
+        p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
+                       aqk=bf16_rounded(p.aqk))
+        (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, args[5])
+        do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
+        dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
+        return p, (ro, rf), (do, dfin), vjp((do, dfin))
+
+    p, (ro, rf), (do, dfin), (rp, rh0) = reference(args)
     h0 = args[5]
-    (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, h0)
-    do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
-    dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
-    rp, rh0 = vjp((do, dfin))
-    fwd = jax.jit(functools.partial(state_fwd, chunk_size=64, interpret=True))
-    o, f, st, vt = fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0)
+    fwd = jax.jit(lambda p, h0: state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u,
+                                          _bf16(p.aqk), p.gamma, h0, chunk_size=64,
+                                          interpret=True))
+    o, f, st, vt = fwd(p, h0)
     assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
-    assert rel_rms(ro, jnp.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
-    bwd = jax.jit(functools.partial(state_bwd, chunk_size=64, interpret=True))
-    dqg, dkg, dw, da, dgam, du, dh0 = bwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk),
-                                          p.gamma, st, vt, _bf16(jnp.swapaxes(do, 1, 2)), dfin)
+    assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+    bwd = jax.jit(lambda p, st, vt, do, dfin: state_bwd(
+        _bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma, st, vt,
+        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, interpret=True))
+    dqg, dkg, dw, da, dgam, du, dh0 = bwd(p, st, vt, do, dfin)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
     for r, x in pairs:
@@ -149,13 +162,15 @@ def test_state_grads_kernel_matches_its_products(dk, dv):
     keys = jax.random.split(jax.random.PRNGKey(7), 5)
     shapes = ((b, h, nc, dk, dv), (b, h, nc, dk, dv), (b, h, nc * c, dv), (b, h, nc * c, dv),
               (b, nc * c, h, dv))
-    ins = [jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
+    ins = jax.jit(lambda keys: [jax.random.normal(key, shape).astype(jnp.bfloat16)
+                                for key, shape in zip(keys, shapes)])(keys)
     got = jax.jit(functools.partial(state_grads, interpret=True))(*ins)
-    want = chunk_products_reference(*ins)
+    want = jax.jit(chunk_products_reference)(*ins)
     tols = (BF16_OUT_TOL,) * 4 + (FP32_TOL,)
     for name, r, x, tol in zip(("dqg", "dkg", "dw", "daqk", "dgamma"), want, got, tols):
         assert x.shape == r.shape, name
-        assert rel_rms(r, x.astype(jnp.float32)) <= tol, (name, rel_rms(r, x.astype(jnp.float32)))
+        x = np.asarray(x, np.float32)
+        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
 def test_state_kernels_lower_for_cuda():
@@ -184,13 +199,18 @@ def test_prepare_kernels_match_their_reference():
     gate past the fp32 exp range, packed segments, T padded)."""
     (q, k, v, g, beta, _), seg = _softplus_segments_case()
     kw = {"scale": 0.125, "chunk_size": 64, "segment_ids": seg}
-    ref, ref_vjp = jax.vjp(lambda *a: prepare_reference(*a, **kw), q, k, v, g, beta)
-    # A random cotangent per element (a constant one would check only the gradient of sums), the
-    # same bf16 values for both, each in its output's dtype.
-    keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
-    cts = [(jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(jnp.bfloat16)
-           for key, r in zip(keys, ref)]
-    ref_grads = ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref))))
+
+    @jax.jit
+    def reference(args):
+        ref, ref_vjp = jax.vjp(lambda *a: prepare_reference(*a, **kw), *args)
+        # A random cotangent per element (a constant one would check only the gradient of sums),
+        # the same bf16 values for both, each in its output's dtype.
+        keys = jax.random.split(jax.random.PRNGKey(4), len(ref))
+        cts = [(jax.random.normal(key, r.shape) / np.sqrt(r.size)).astype(jnp.bfloat16)
+               for key, r in zip(keys, ref)]
+        return ref, cts, ref_vjp(type(ref)(*(c.astype(r.dtype) for c, r in zip(cts, ref))))
+
+    ref, cts, ref_grads = reference((q, k, v, g, beta))
 
     def kernels(args, cts):
         out, vjp = jax.vjp(lambda *a: prepare(*a, **kw, interpret=True), *args)
@@ -208,18 +228,19 @@ def test_prepare_kernels_match_their_reference():
                          ids=["lower_bound", "softplus-segments"])
 def test_kda_pallas_values_and_gradients(gate, segments):
     """End to end (padding T=90 to 128, initial and final state): values and all six gradients."""
-    args, do, dfin = kda_bf16_case(2, 1, 90, 1, 64, 64, gate)
+    args, do, dfin = _bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
     _check_all(args, seg, do, dfin)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():
     """K = V = 128: two value tiles per head (the backward sums their partial products)."""
-    args, do, dfin = kda_bf16_case(5, 1, 64, 1, 128, 128, "lower_bound")
-    ref = kda_reference(*args[:5], scale=128**-0.5, initial_state=args[5])
-    o, f = jax.jit(functools.partial(kda_pallas, scale=128**-0.5, output_final_state=True,
-                                     interpret=True))(*(_bf16(x) for x in args[:3]), *args[3:5],
-                                                      initial_state=args[5])
+    args, do, dfin = _bf16_case(5, 1, 64, 1, 128, 128, "lower_bound")
+    ref = jax.jit(functools.partial(kda_reference, scale=128**-0.5))(*args[:5],
+                                                                     initial_state=args[5])
+    o, f = jax.jit(lambda q, k, v, g, beta, h0: kda_pallas(
+        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=128**-0.5, initial_state=h0,
+        output_final_state=True, interpret=True))(*args)
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
 
 

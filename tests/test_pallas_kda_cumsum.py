@@ -19,16 +19,22 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk):
     """``G`` (layout [B, T, H, K] -> [B, H, T, K]) and the reverse cumsum (back) against the fp32
     sequential cumsum and its VJP, softplus-sized gates (tens of nats a chunk), a random cotangent,
     within FP32_TOL."""
-    kg, kq, kc = jax.random.split(jax.random.PRNGKey(0), 3)
-    g = -jnp.exp(1.5) * jax.nn.softplus(2.0 * jax.random.normal(kg, (2, 128, 3, dk)))
-    qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
-    ref, ref_vjp = jax.vjp(chunk_cumsum_reference, g)
-    out = cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[0]
+    @jax.jit  # inputs, the reference's value and VJP in one compile
+    def reference(key):
+        kg, kq, kc = jax.random.split(key, 3)
+        g = -jnp.exp(1.5) * jax.nn.softplus(2.0 * jax.random.normal(kg, (2, 128, 3, dk)))
+        qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
+        ref, ref_vjp = jax.vjp(chunk_cumsum_reference, g)
+        ct = jax.random.normal(kc, ref.shape)
+        return g, qk, ref, ct, ref_vjp(ct)[0]
+
+    g, qk, ref, ct, ref_back = reference(jax.random.PRNGKey(0))
+    # jitted: the interpreter is far slower op by op
+    out = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[0])(g, qk)
     assert out.shape == (2, 3, 128, dk) and out.dtype == jnp.float32
     assert rel_rms(ref, out) <= FP32_TOL
-    ct = jax.random.normal(kc, ref.shape)
-    back = reverse_cumsum(ct, interpret=True)
-    assert back.shape == g.shape and rel_rms(ref_vjp(ct)[0], back) <= FP32_TOL
+    back = jax.jit(lambda ct: reverse_cumsum(ct, interpret=True))(ct)
+    assert back.shape == g.shape and rel_rms(ref_back, back) <= FP32_TOL
 
 
 def test_kernels_lower_for_cuda():

@@ -7,6 +7,8 @@ same values, so the math §10 bf16 tolerances measure the kernels' own error (bf
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ def _gate(f, gate):
             else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f))
 
 
+@functools.partial(jax.jit, static_argnums=range(6))  # one compile, not one per op
 def _inputs(seed, b, h, tp, dk, gate):
     """bf16 ``q, k`` ``[B, Tp, H, K]`` (unit rows, like KDA's normalised q, k), chunk-local
     cumulative gates ``[B, H, Tp, K]``. ``gate="mixed"``: the lower-bound gate, except head 0's
@@ -45,6 +48,7 @@ def _inputs(seed, b, h, tp, dk, gate):
     return q, k, g, g_cum
 
 
+@functools.partial(jax.jit, static_argnums=range(3))
 def _masks(seed, b, tp):
     """Segment masks of random packed documents (a start every ~20 tokens), as ``prepare`` makes
     them."""
@@ -56,22 +60,30 @@ def _check_gated(q, k, g, masks, seed):
     """Every output of the kernels and the gradients of q, k, g (``g`` head-major here, given to the
     op in the caller's layout) against the fp32 reference on the same (bf16-grid) values, one
     random cotangent per output."""
-    g = jnp.swapaxes(g, 1, 2)
+    g = np.swapaxes(g, 1, 2)
     scale = q.shape[-1] ** -0.5
-    ker = lambda q, k, g: gated_scores(q, k, g, scale=scale, masks=masks, interpret=True)  # noqa: E731
-    ref = lambda q, k, g: gated_scores_reference(q, k, g, scale=scale, masks=masks)  # noqa: E731
+    ker = lambda q, k, g, masks: gated_scores(q, k, g, scale=scale, masks=masks,  # noqa: E731
+                                              interpret=True)
+    out_types = jax.eval_shape(ker, q, k, g, masks)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    r, ref_vjp = jax.vjp(ref, f32(q), f32(k), g)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(r))
-    # Nonzero above the diagonal too (the kernel must ignore those), in each output's dtype.
-    cts = type(r)(*(jax.random.normal(key, y.shape).astype(y.dtype)
-                    for key, y in zip(keys, jax.eval_shape(ker, q, k, g))))
 
-    def kernel(args, cts):  # jitted: the interpreter is far slower op by op
-        out, vjp = jax.vjp(ker, *args)
+    @jax.jit  # the reference's values, the cotangents and its gradients in one compile
+    def reference(q, k, g, masks):
+        ref = lambda q, k, g: gated_scores_reference(q, k, g, scale=scale, masks=masks)  # noqa: E731
+        r, ref_vjp = jax.vjp(ref, f32(q), f32(k), g)
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(r))
+        # Nonzero above the diagonal too (the kernel must ignore those), in each output's dtype.
+        cts = type(r)(*(jax.random.normal(key, y.shape).astype(y.dtype)
+                        for key, y in zip(keys, out_types)))
+        return r, cts, ref_vjp(type(r)(*map(f32, cts)))
+
+    r, cts, ref_grads = reference(q, k, g, masks)
+
+    def kernel(args, masks, cts):  # jitted: the interpreter is far slower op by op
+        out, vjp = jax.vjp(lambda q, k, g: ker(q, k, g, masks), *args)
         return out, vjp(cts)
 
-    out, ker_grads = jax.jit(kernel)((q, k, g), cts)
+    out, ker_grads = jax.jit(kernel)((q, k, g), masks, cts)
     for name, x, y in zip(r._fields, r, out):
         assert x.shape == y.shape, (name, x.shape, y.shape)
         assert rel_rms(x, y) <= BF16_OUT_TOL, (name, rel_rms(x, y))
@@ -79,7 +91,7 @@ def _check_gated(q, k, g, masks, seed):
     assert out.qg.dtype == jnp.bfloat16
     upper = np.triu(np.ones((C, C), bool), 1)
     assert np.all(np.asarray(out.aqk, np.float32).reshape(-1, C, C)[:, upper] == 0.0)
-    _check_grads(ref_vjp(type(r)(*map(f32, cts))), ker_grads, ("q", "k", "g"))
+    _check_grads(ref_grads, ker_grads, ("q", "k", "g"))
 
 
 def _check_grads(ref_grads, ker_grads, names):
@@ -92,9 +104,9 @@ def test_gated_scores_mixed_chunks_with_segments():
     """K = 64, two heads, two chunks: K3's lower-bound gate (the bounded path) in three chunks, a
     softplus gate past exp's fp32 range (the exact levels) in the fourth; packed documents."""
     q, k, g, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
-    np.testing.assert_array_equal(kda_scores.bounded_chunks(g_cum), [[[1, 0], [1, 1]]])
+    np.testing.assert_array_equal(jax.jit(kda_scores.bounded_chunks)(g_cum), [[[1, 0], [1, 1]]])
     masks = _masks(5, 1, 2 * C)
-    assert 0 < float(jnp.mean(masks.enter)) < 1 and 0 < float(jnp.mean(masks.leave)) < 1
+    assert 0 < np.mean(masks.enter) < 1 and 0 < np.mean(masks.leave) < 1
     _check_gated(q, k, g, masks, seed=1)
 
 
@@ -103,8 +115,8 @@ def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
     whose 16-token decay passes exp's fp32 range (-88 nats): a split ``exp(G_r) exp(-G_j)`` over a
     16-row block would overflow."""
     q, k, g, g_cum = _inputs(2, 2, 1, C, 128, "softplus")
-    assert float(jnp.min(jnp.sum(g[:, :, :16], axis=2))) < -88.0  # the overflow regime is exercised
-    assert not kda_scores.bounded_chunks(g_cum).any()  # so the exact levels run
+    assert np.min(np.sum(np.asarray(g)[:, :, :16], axis=2)) < -88.0  # the overflow regime is hit
+    assert not jax.jit(kda_scores.bounded_chunks)(g_cum).any()  # so the exact levels run
     _check_gated(q, k, g, None, seed=3)
 
 

@@ -40,17 +40,22 @@ def _akk_and_beta(correlated: bool, b: int, h: int, n: int, seed: int):
             jnp.asarray(beta, jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normals(seed, shape_a, shape_b):
+    """Two standard normal arrays drawn from ``key(seed)`` split in two (one compile)."""
+    ka, kb = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
+
+
 def _case(correlated: bool, b: int, h: int, n: int, dk: int, dv: int, seed: int):
     """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32."""
     akk, beta = _akk_and_beta(correlated, b, h, n, seed)
-    kx, kv = jax.random.split(jax.random.key(seed))
     tp = n * CHUNK
-    return akk, beta, jax.random.normal(kx, (b, h, tp, dk)), jax.random.normal(kv, (b, tp, h, dv))
+    return akk, beta, *_normals(seed, (b, h, tp, dk), (b, tp, h, dv))
 
 
 def _cotangents(w_shape, u_shape, seed: int):
-    kw, ku = jax.random.split(jax.random.key(seed + 100))
-    return jax.random.normal(kw, w_shape), jax.random.normal(ku, u_shape)
+    return _normals(seed + 100, w_shape, u_shape)
 
 
 def _run(args, cts, w_dtype):
@@ -60,9 +65,12 @@ def _run(args, cts, w_dtype):
         out, vjp = jax.vjp(lambda *a: wy(*a, w_dtype=w_dtype, interpret=True), *args)
         return out, vjp((cts[0].astype(w_dtype), cts[1]))
 
+    def reference(args, cts):
+        ref, ref_vjp = jax.vjp(wy_reference, *(a.astype(jnp.float32) for a in args))
+        return ref, ref_vjp((cts[0].astype(w_dtype).astype(jnp.float32), cts[1]))
+
     out, grads = jax.jit(kernel)(args, cts)
-    ref, ref_vjp = jax.vjp(wy_reference, *(a.astype(jnp.float32) for a in args))
-    ref_grads = ref_vjp((cts[0].astype(w_dtype).astype(jnp.float32), cts[1]))
+    ref, ref_grads = jax.jit(reference)(args, cts)
     return out, grads, ref, ref_grads
 
 
@@ -84,12 +92,15 @@ def test_inverse_matches_triangular_solve(correlated):
     """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks,
     split-bf16 merges, within §10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach
     1e16."""
-    akk, beta = _akk_and_beta(correlated, 1, 1, 2, seed=0)
-    akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
-    eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
-    t, _ = jax.jit(functools.partial(wy, interpret=True))(akk, jnp.ones_like(beta), eye,
-                                                          jnp.zeros((1, 2 * CHUNK, 1, CHUNK)))
-    ref = unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
+    @jax.jit  # kernel and reference in one compile
+    def inverse_and_reference(akk, beta):
+        akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
+        eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
+        t, _ = wy(akk, jnp.ones_like(beta), eye, jnp.zeros((1, 2 * CHUNK, 1, CHUNK)),
+                  interpret=True)
+        return t, unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
+
+    t, ref = inverse_and_reference(*_akk_and_beta(correlated, 1, 1, 2, seed=0))
     assert rel_rms(ref, t) <= FP32_TOL
 
 
@@ -129,7 +140,7 @@ def test_wy_bf16_operands():
 def test_kda_pallas_on_correlated_keys():
     """End to end (interpreted kernels), values and all six gradients at math §10's bf16
     tolerances, in the regime where power-based inverses fail."""
-    args, do, dfin = kda_correlated_keys_case()
+    args, do, dfin = jax.jit(kda_correlated_keys_case)()
     _check_all(args, None, do, dfin)
 
 

@@ -8,6 +8,8 @@ real tiles' rows, and checks that nothing non-finite reaches them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ BM = kernels.BLOCK_M
 ACTS = [GLUSpec("situ_glu", 4.0, 25.0), GLUSpec("situ_glu", 2.0, 8.0), GLUSpec("swiglu")]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # one compile, not one per op
 def _operands(rows: int, cols: int, n: int, dtype=jnp.bfloat16):
     # Scale 6: both soft caps (beta_gate 2 to 4) and sigmoid's tails are exercised.
     keys = jax.random.split(jax.random.key(rows + cols), n)
@@ -33,8 +36,13 @@ def _operands(rows: int, cols: int, n: int, dtype=jnp.bfloat16):
 def test_glu_vjp_equals_autodiff(act):
     """The written-out derivative equals ``jax.vjp`` of :func:`glu` in fp32 (math §10 FP32_TOL)."""
     gate, up, dh = _operands(64, 96, 3, jnp.float32)
-    _, vjp = jax.vjp(lambda a, b: glu(a, b, act.name, act.beta_gate, act.beta_up), gate, up)
-    for ref, ours in zip(vjp(dh), glu_vjp(gate, up, dh, act.name, act.beta_gate, act.beta_up)):
+
+    @jax.jit  # both derivatives in one compile, not one per op
+    def derivatives(gate, up, dh):
+        _, vjp = jax.vjp(lambda a, b: glu(a, b, act.name, act.beta_gate, act.beta_up), gate, up)
+        return vjp(dh), glu_vjp(gate, up, dh, act.name, act.beta_gate, act.beta_up)
+
+    for ref, ours in zip(*derivatives(gate, up, dh)):
         assert rel_rms(ref, ours) <= FP32_TOL
 
 
@@ -43,12 +51,16 @@ def test_kernels_match_reference_on_real_tiles(act):
     """Forward and gradient kernels (interpreted) equal the fp32 reference cast to bf16 on the tiles
     that hold a group (math §10 bf16 output tolerance)."""
     gate, up, dh = _operands(4 * BM, 2 * kernels.BLOCK_N, 3)
-    tile_group = jnp.array([0, -1, 2, -1], jnp.int32)
-    real = np.repeat(np.asarray(tile_group) >= 0, BM)
-    outs = (kernels.tiled_glu(gate, up, tile_group, act=act, interpret=True),
-            *kernels.tiled_glu_vjp(gate, up, dh, tile_group, act=act, interpret=True))
-    refs = (kernels.tiled_glu_reference(gate, up, tile_group, act),
-            *kernels.tiled_glu_reference(gate, up, tile_group, act=act, dh=dh))
+    tile_group = np.array([0, -1, 2, -1], np.int32)
+    real = np.repeat(tile_group >= 0, BM)
+    # kernels and references jitted: one compile each (the interpreter is far slower op by op)
+    outs = jax.jit(lambda gate, up, dh, t: (
+        kernels.tiled_glu(gate, up, t, act=act, interpret=True),
+        *kernels.tiled_glu_vjp(gate, up, dh, t, act=act, interpret=True)))(
+        gate, up, dh, tile_group)
+    refs = jax.jit(lambda gate, up, dh, t: (
+        kernels.tiled_glu_reference(gate, up, t, act),
+        *kernels.tiled_glu_reference(gate, up, t, act=act, dh=dh)))(gate, up, dh, tile_group)
     for ref, out in zip(refs, outs):
         assert rel_rms(np.asarray(ref, np.float32)[real], np.asarray(out, np.float32)[real]) \
             <= BF16_OUT_TOL
@@ -85,17 +97,19 @@ def test_glu_on_tiles_custom_vjp_equals_autodiff(act):
     """Values and both input gradients of the tiled path (a zero-padded group, an empty group, a
     padding tile past the groups) equal JAX's autodiff of ``glu`` in fp32 on the groups' rows,
     within math §10's bf16 tolerances."""
-    sizes = jnp.array([2 * BM, 0, BM], jnp.int32)
+    sizes = np.array([2 * BM, 0, BM], np.int32)
     rows = 4 * BM
     gate, up = _operands(rows, kernels.BLOCK_N, 2)
     cot = jax.random.normal(jax.random.key(7), (rows, kernels.BLOCK_N))
     real = np.arange(rows) < int(sizes.sum())
-    mask = jnp.asarray(real)[:, None]
+    mask = real[:, None]
 
     def run(on_tiles, dtype):
-        f = lambda g, u: glu_on_tiles(g, u, sizes, act, on_tiles, interpret=True)  # noqa: E731
-        h, vjp = jax.vjp(f, gate.astype(dtype), up.astype(dtype))
-        return h, vjp(jnp.where(mask, cot, 0.0).astype(dtype))
+        def values_and_grads(gate, up, cot, sizes):  # jitted: one compile, not one per op
+            f = lambda g, u: glu_on_tiles(g, u, sizes, act, on_tiles, interpret=True)  # noqa: E731
+            h, vjp = jax.vjp(f, gate.astype(dtype), up.astype(dtype))
+            return h, vjp(jnp.where(mask, cot, 0.0).astype(dtype))
+        return jax.jit(values_and_grads)(gate, up, cot, sizes)
 
     (h, grads), (h_ref, refs) = run(True, jnp.bfloat16), run(False, jnp.float32)
     tols = (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL)
@@ -107,7 +121,7 @@ def test_glu_on_tiles_custom_vjp_equals_autodiff(act):
 
 def test_glu_on_tiles_lowers_for_cuda():
     """The tiled path as the model runs it (jitted launchers, custom VJP, forward and backward)
-    passes lowering for an sm_90 target; the interpreted tests above run the kernels unjitted."""
+    passes lowering for an sm_90 target; the tests above run the kernels in the interpreter."""
     a = jax.ShapeDtypeStruct((8 * BM, 768), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
