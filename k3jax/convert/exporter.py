@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -36,6 +37,8 @@ def export_variables(variables: dict, cfg: ModelConfig, out: str | Path, dtype: 
     entries, places = tensor_map(cfg, "kimi_linear"), layer_places(cfg)
     kinds = {e.name: np.float32 if e.keep_fp32 else DTYPES[dtype] for e in entries}
     sizes = {e.name: int(np.prod(e.shape)) * np.dtype(kinds[e.name]).itemsize for e in entries}
+
+    variables = jax.device_get(variables)  # host arrays: slicing them compiles nothing
 
     def tensors():
         for e in entries:

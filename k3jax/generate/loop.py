@@ -17,7 +17,13 @@ from k3jax.generate.steps import DEFAULT_CHUNK, decode, prefill
 
 @functools.lru_cache(maxsize=None)
 def _sampler(cfg: SamplingConfig):
-    return jax.jit(lambda logits, key, seen: sample(logits, key, cfg, seen))
+    """``(logits [B, V], key, seen [B, V]) -> (tokens [B], seen with them marked)``, compiled once
+    per sampling config (the seen-token mask feeds the repetition penalty)."""
+    def draw(logits, key, seen):
+        new = sample(logits, key, cfg, seen)
+        return new, seen.at[jnp.arange(seen.shape[0]), new].set(True)
+
+    return jax.jit(draw)
 
 
 def _seen(prompts, vocab: int) -> jax.Array:
@@ -57,7 +63,7 @@ def generate(cfg: ModelConfig, variables: dict, prompts: list[list[int]], max_ne
     out: list[list[int]] = [[] for _ in prompts]
     for step in range(max_new_tokens):
         key, sub = jax.random.split(key)
-        new = draw(logits, sub, seen)
+        new, seen = draw(logits, sub, seen)
         host = np.asarray(new)
         for row in np.flatnonzero(active):
             out[row].append(int(host[row]))
@@ -66,7 +72,6 @@ def generate(cfg: ModelConfig, variables: dict, prompts: list[list[int]], max_ne
         active &= ~np.isin(host, stops)
         if not active.any() or step == max_new_tokens - 1:
             break
-        seen = seen.at[jnp.arange(len(prompts)), new].set(True)
         logits, cache = decode(cfg, variables, new, cache)
     return out
 
