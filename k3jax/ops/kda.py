@@ -105,14 +105,15 @@ def _pallas_module():
 
 
 def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
-    """``"reference"``, ``"chunked"`` or the pallas module (fail-closed for ``"auto"``)."""
+    """``"reference"``, ``"chunked"`` or ``"pallas"`` (fail-closed for ``"auto"``)."""
     if impl == "pallas":
         try:
-            return _pallas_module()
+            _pallas_module()
         except ImportError as e:
             raise ImportError(f"kda: impl='pallas' needs the module pallas_kernels.kda, which "
                               f"could not be imported ({e}); use impl='chunked' or impl='auto'"
                               ) from e
+        return "pallas"
     if impl == "auto" and hopper_gpus():
         try:
             module = _pallas_module()
@@ -120,7 +121,7 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
             return "chunked"
         if module.supports(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                            chunk_size=chunk_size):
-            return module
+            return "pallas"
     return "reference" if impl == "reference" else "chunked"
 
 
@@ -150,12 +151,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     if not isinstance(output_final_state, bool):
         _fail("kda", "output_final_state", output_final_state, "a bool")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    module = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
-    path = module if isinstance(module, str) else "pallas"
+    path = _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     # Called outside jit, the op would dispatch (and compile) each of its many small operations
     # one by one: it runs as one compiled program instead. Inside a trace it is inlined as it is,
     # so a model's program stays flat (a nested jit per layer slowed the H200 train step).
-    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v, g, beta, initial_state))
+    traced = any(isinstance(x, jax.core.Tracer)
+                 for x in (q, k, v, g, beta, initial_state, segment_ids))
     run = _kda_path if traced else _kda_compiled
     o, final = run(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
                    chunk_size=chunk_size, output_final_state=output_final_state,
