@@ -48,7 +48,7 @@ from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
 from k3jax.accounting import count_params, mfu_fn
 from k3jax.config.experiment import apply_overrides, load_config, preset_path
-from k3jax.model import K3Model, abstract_variables, logical_axes
+from k3jax.model import K3Model, abstract_variables_and_axes
 from k3jax.parallel import batch_placement, init_sharded_state, make_mesh, sharded_step
 from k3jax.sweep.ladder import scale_width
 from k3jax.train.optim import build_optimizer, schedule
@@ -60,11 +60,11 @@ def build(cfg):
     micro = cfg.data.batch_size // cfg.train.micro_batches
     shape = (micro, cfg.data.seq_len)
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
-    params = abstract_variables(cfg.model, shape)["params"]
-    optimizer = build_optimizer(cfg.optim, cfg.train.steps, params,
-                                logical_axes(cfg.model, shape)["params"])
+    variables, axes = abstract_variables_and_axes(cfg.model, shape)
+    optimizer = build_optimizer(cfg.optim, cfg.train.steps, variables["params"], axes["params"])
     state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
-                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed), shape)
+                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed), shape,
+                               axes)
     step_fn = make_train_step(K3Model(cfg.model), optimizer, schedule(cfg.optim, cfg.train.steps),
                               cfg.train.micro_batches, cfg.model.moe)
     step = sharded_step(step_fn, state, mesh, rules, donate=jax.default_backend() != "cpu")

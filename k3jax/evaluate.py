@@ -77,15 +77,12 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
 def _state(cfg, micro, init_variables, build_optimizer, init_state):
     import jax
 
+    from k3jax.model import logical_axes
+
     v = init_variables(cfg.model, jax.random.PRNGKey(cfg.train.seed), (micro, cfg.data.seq_len))
-    opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"], _axes(cfg.model))
+    opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"],
+                          logical_axes(cfg.model)["params"])
     return init_state(v["params"], v.get("balance", {}), opt, cfg.train.seed)
-
-
-def _axes(model_cfg):
-    from k3jax.train.loop import _logical_axes
-
-    return _logical_axes(model_cfg)
 
 
 def format_table(out: dict) -> str:

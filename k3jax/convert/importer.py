@@ -208,12 +208,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, experiment=None, overrides=()
     if (out / "checkpoints").exists():
         raise FileExistsError(f"{out / 'checkpoints'} exists; import into a new directory")
     mesh, rules = make_mesh(exp.mesh), exp.mesh.rules
+    axes = logical_axes(exp.model)  # one trace of the model for the shardings and the optimiser
     with use_mesh(mesh, rules):
         variables = load_variables(hf_dir, exp.model, layout,
-                                   variable_shardings(exp.model, mesh, rules), log)
+                                   variable_shardings(exp.model, mesh, rules, axes), log)
         params, balance = variables["params"], variables.get("balance", {})
-        optimizer = build_optimizer(exp.optim, exp.train.steps, params,
-                                    logical_axes(exp.model)["params"])
+        optimizer = build_optimizer(exp.optim, exp.train.steps, params, axes["params"])
         make = lambda p, b: init_state(p, b, optimizer, exp.train.seed)
         shardings = like_params_shardings(jax.eval_shape(make, params, balance), params,
                                           shardings_of(params), mesh)

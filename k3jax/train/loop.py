@@ -307,14 +307,6 @@ def _count(params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def _logical_axes(model_cfg):
-    try:
-        from k3jax.model import logical_axes
-        return logical_axes(model_cfg)["params"]
-    except Exception:  # noqa: BLE001 - names are a refinement; the optimiser falls back to shapes
-        return None
-
-
 def _device_bytes() -> float | None:
     """A local device's memory as its allocator reports it (None where it says nothing: CPU)."""
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
