@@ -46,15 +46,11 @@ STATE = {"params": {"w": np.arange(12, dtype=np.float32).reshape(3, 4)},
 
 @pytest.fixture
 def train_main():
-    """``train.py``'s ``main``, in this process; the JAX settings it changes are put back."""
+    """``train.py``'s ``main``, in this process (whose persistent cache conftest keeps off)."""
     spec = importlib.util.spec_from_file_location("k3jax_train_script", ROOT / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {n: getattr(jax.config, n) for n in names}
-    yield module.main
-    for n, v in saved.items():
-        jax.config.update(n, v)
+    return module.main
 
 
 def _state(step: int) -> dict:
