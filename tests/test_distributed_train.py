@@ -1,14 +1,15 @@
 """``train.py`` itself as two ``jax.distributed`` processes on localhost (CPU collectives).
 
-Two processes with four CPU devices each form one (data 2, expert 4) mesh and train a one-layer
-MoE model (Quantile Balancing on) with the all-to-all dispatch. Each process loads only its rows of
-every batch, writes and reads only its own shards of every checkpoint, and only process 0 writes
+Two processes with four CPU devices each form one (fsdp 2, expert 4) mesh and train a one-layer
+MoE model (Quantile Balancing on) with the all-to-all dispatch: the fsdp axis is split across the
+processes, the expert axis within each. Each process loads only its rows of every batch, holds and
+checkpoints only its own shards of the parameters and optimiser moments, and only process 0 writes
 metrics. The losses must equal a one-device run of the same config with the ragged dispatch, and a
 second launch must resume from the processes' shared checkpoint. (A constant learning rate: the
 schedule does not depend on the number of steps, so the longer second launch runs the first one's
 compiled step, from the compilation cache.) Run as a script, this file is a process of the job:
 ``train.py``'s ``main`` with the given arguments, then one JSON line with the devices it saw and
-the batch rows it held.
+the batch rows and fsdp-sharded parameters it held.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _launch(preset: Path, workdir: Path, steps: int, devices: int, *sets: str, *
 
 def _two_processes(preset: Path, workdir: Path, steps: int) -> list[str]:
     port = free_port()
-    procs = [_launch(preset, workdir, steps, DEVICES_PER_PROCESS, "mesh.data=2", "mesh.expert=4",
+    procs = [_launch(preset, workdir, steps, DEVICES_PER_PROCESS, "mesh.fsdp=2", "mesh.expert=4",
                      JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                      JAX_NUM_PROCESSES=str(PROCESSES), JAX_PROCESS_ID=str(i))
              for i in range(PROCESSES)]
@@ -82,6 +83,7 @@ def test_two_process_training_matches_one_device_and_resumes(tmp_path):
         report = _report(out)
         assert report["devices"] == PROCESSES * DEVICES_PER_PROCESS
         assert report["local_rows"] == BATCH // PROCESSES                 # each loads its half
+        assert report["partly_held"] > 0                    # parameters split across processes
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]                                    # one writer of metrics
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
@@ -93,8 +95,16 @@ def test_two_process_training_matches_one_device_and_resumes(tmp_path):
     assert sorted(_losses(tmp_path / "two")) == [1, 2, 3, 4, 5, 6]
 
 
+def _held_in_part(sharding, shape) -> bool:
+    """Whether this process holds only some of the array's distinct shards."""
+    distinct = lambda m: {str(i) for i in m.values()}  # noqa: E731
+    return (distinct(sharding.addressable_devices_indices_map(shape))
+            < distinct(sharding.devices_indices_map(shape)))
+
+
 def _process(argv: list[str]) -> int:
-    """``train.py``'s ``main``, then ``{"devices", "local_rows"}`` of the mesh it trained on."""
+    """``train.py``'s ``main``, then ``{"devices", "local_rows", "partly_held"}`` of the mesh it
+    trained on (the last: how many parameter arrays this process holds only part of)."""
     sys.path.insert(0, str(ROOT))
     import train
 
@@ -104,12 +114,18 @@ def _process(argv: list[str]) -> int:
 
         import k3jax.parallel as kp
         from k3jax.config.experiment import apply_overrides, load_config
+        from k3jax.model import abstract_variables
 
         args = train.parse_args(argv)
-        mesh_cfg = apply_overrides(load_config(args.config), args.overrides).mesh
-        sharding = kp.batch_sharding(kp.make_mesh(mesh_cfg), mesh_cfg.rules)
-        rows = kp.local_batch_rows(sharding, (BATCH, SEQ))
-        print(json.dumps({"devices": jax.device_count(), "local_rows": rows.stop - rows.start}))
+        cfg = apply_overrides(load_config(args.config), args.overrides)
+        mesh = kp.make_mesh(cfg.mesh)
+        rows = kp.local_batch_rows(kp.batch_sharding(mesh, cfg.mesh.rules), (BATCH, SEQ))
+        shardings = kp.variable_shardings(cfg.model, mesh, cfg.mesh.rules)["params"]
+        shapes = abstract_variables(cfg.model)["params"]
+        split = sum(_held_in_part(sh, x.shape) for sh, x in
+                    zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes)))
+        print(json.dumps({"devices": jax.device_count(), "local_rows": rows.stop - rows.start,
+                          "partly_held": split}))
     return rc
 
 
