@@ -62,6 +62,15 @@ def device_kernels(path: str) -> dict[str, list[Kernel]]:
     return {"/host:CPU": kernels} if kernels else {}
 
 
+def host_events(path: str) -> list[tuple[str, str, float]]:
+    """``(thread, event name, seconds)`` of every host event of one trace: on the host, XLA names
+    its compiler passes and stages (``HLO Transforms``, ``config-assigner`` for the autotuner,
+    ``CompileModuleToLlvmIr``, ...), which nest."""
+    return [(line.name, e.name, e.duration_ns / 1e9)
+            for p in ProfileData.from_file(path).planes if p.name.startswith("/host")
+            for line in p.lines for e in line.events]
+
+
 def _kernel(event) -> Kernel:
     stats = dict(event.stats)
     return Kernel(event.name, event.start_ns, event.duration_ns, stats.get("hlo_op"))

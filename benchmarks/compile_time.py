@@ -12,25 +12,38 @@ clock. The persistent compilation cache is switched off so every number is a col
 ``step`` is exactly what ``train.py`` jits (``make_train_step`` with ``build_optimizer``), without
 the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
 
+``--phases DIR`` traces each XLA compile with ``jax.profiler`` (into ``DIR/<part>``) and adds, per
+part, the compiler's host events with the most seconds, one line each (events nest, so their
+seconds overlap; ``threads`` > 1 means XLA ran the event on its compile thread pool; Python frames
+are left out)::
+
+    {"part": ..., "optimizer": ..., "event": "config-assigner", "s": 23.0, "n": 1, "threads": 1}
+
     # k3_small, B=2, T=256
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048           # the GPU shape
     PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon
     PYTHONPATH=. python benchmarks/compile_time.py --parts grad --set model.kda.impl=chunked
+    PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048 --parts step \
+        --optimizers muon --phases /tmp/phases                  # where XLA's compile time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import traceback
 
 import jax
 import jax.numpy as jnp
 from _timing import compile_stages
+from _trace import host_events, trace_files
 
 jax.config.update("jax_enable_compilation_cache", False)
 
@@ -47,9 +60,26 @@ from k3jax.train.step import (  # noqa: E402
 )
 
 
-def timed_compile(fn, *args) -> dict:
-    """Seconds spent tracing, lowering and compiling ``jax.jit(fn)`` for ``args`` (abstract)."""
-    return compile_stages(lambda: jax.jit(fn).trace(*args))[1]
+def timed_compile(fn, *args, trace_dir: str | None = None) -> dict:
+    """Seconds spent tracing, lowering and compiling ``jax.jit(fn)`` for ``args`` (abstract); the
+    compile is profiled into ``trace_dir`` when given."""
+    around = (lambda: jax.profiler.trace(trace_dir)) if trace_dir else contextlib.nullcontext
+    return compile_stages(lambda: jax.jit(fn).trace(*args), around)[1]
+
+
+def compile_phases(trace_dir: str, top: int) -> list[dict]:
+    """The ``top`` host events of the traces under ``trace_dir`` by total seconds."""
+    seconds, calls, threads = collections.Counter(), collections.Counter(), {}
+    for path in trace_files([trace_dir]):
+        for thread, name, s in host_events(path):
+            if name.startswith("$"):  # a Python frame (the profiler's Python tracer), not XLA
+                continue
+            name = name.split(":")[0]
+            seconds[name] += s
+            calls[name] += 1
+            threads.setdefault(name, set()).add(thread)
+    return [{"event": name, "s": round(s, 2), "n": calls[name], "threads": len(threads[name])}
+            for name, s in seconds.most_common(top)]
 
 
 def batch_struct(b: int, t: int) -> dict:
@@ -72,16 +102,18 @@ def loss_fn(model):
     return loss
 
 
-def measure(part: str, cfg, batch: dict, optimizer_name: str | None) -> dict:
+def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
+            trace_dir: str | None = None) -> dict:
+    timed = lambda fn, *a: timed_compile(fn, *a, trace_dir=trace_dir)  # noqa: E731
     model = K3Model(cfg.model)
     b, t = batch["tokens"].shape
     variables = abstract_variables(cfg.model, (b, t))
     params, balance = variables["params"], variables.get("balance", {})
     loss = loss_fn(model)
     if part == "forward":
-        return timed_compile(loss, params, balance, batch)
+        return timed(loss, params, balance, batch)
     if part == "grad":
-        return timed_compile(jax.grad(loss), params, balance, batch)
+        return timed(jax.grad(loss), params, balance, batch)
     optim = dataclasses.replace(cfg.optim, name=optimizer_name)
     axes = logical_axes(cfg.model, (b, t))["params"]
     optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
@@ -89,7 +121,7 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None) -> dict:
                            params, balance)
     step = make_train_step(model, optimizer, schedule(optim, cfg.train.steps),
                            cfg.train.micro_batches, cfg.model.moe)
-    return timed_compile(step, state, batch)
+    return timed(step, state, batch)
 
 
 def main(argv=None) -> None:
@@ -103,6 +135,9 @@ def main(argv=None) -> None:
                     help="dotted config override as in train.py (repeatable)")
     ap.add_argument("--parts", default="forward,grad,step")
     ap.add_argument("--optimizers", default="adamw,muon")
+    ap.add_argument("--phases", metavar="DIR",
+                    help="profile each compile into DIR and print its longest compiler events")
+    ap.add_argument("--top", type=int, default=25, help="compiler events to print (--phases)")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     for p in parts:
@@ -126,12 +161,17 @@ def main(argv=None) -> None:
                "seq": args.seq, "micro_batches": cfg.train.micro_batches,
                "overrides": args.overrides,
                "backend": jax.default_backend()}
+        trace_dir = (os.path.join(args.phases, part if opt is None else f"{part}_{opt}")
+                     if args.phases else None)
         try:
-            row.update(measure(part, cfg, batch, opt))
+            row.update(measure(part, cfg, batch, opt, trace_dir))
         except Exception as e:  # noqa: BLE001 - report and go on with the other parts
             traceback.print_exc(file=sys.stderr)
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         print(json.dumps(row), flush=True)
+        if trace_dir and "error" not in row:
+            for event in compile_phases(trace_dir, args.top):
+                print(json.dumps({"part": part, "optimizer": opt, **event}), flush=True)
 
 
 if __name__ == "__main__":

@@ -66,11 +66,17 @@ def test_moe_benchmark_step_runs_on_two_cpu_devices():
     assert any(r.get("bench") == "summary" for r in rows)
 
 
-def test_compile_time_reports_each_stage():
+def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
     rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "1",
-                 "--seq", "32", "--parts", "forward"])
-    (row,) = rows
+                 "--seq", "32", "--parts", "forward", "--phases", str(tmp_path), "--top", "20"])
+    (row,) = [r for r in rows if "compile_s" in r]
     assert row["part"] == "forward" and row["compile_s"] > 0 and row["temp_GiB"] is not None
+    events = {r["event"]: r for r in rows if "event" in r}
+    assert len(events) == 20 and all(e["part"] == "forward" and e["n"] >= 1
+                                     for e in events.values())
+    # jax's own event around XLA's compile: the stage the row timed.
+    whole = events["backend_compile_and_load"]
+    assert whole["n"] == 1 and abs(whole["s"] - row["compile_s"]) < 0.1 * row["compile_s"] + 0.5
 
 
 def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
