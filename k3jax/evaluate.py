@@ -22,10 +22,7 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     array on one device (no topology guess from the files)."""
     import jax
 
-    from k3jax.model import init_variables
     from k3jax.train.checkpoint import Checkpointer
-    from k3jax.train.optim import build_optimizer
-    from k3jax.train.step import init_state
 
     workdir = Path(workdir)
     cfg_file = workdir / "config.json"
@@ -37,7 +34,7 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-        jax.eval_shape(lambda: _state(cfg, micro, init_variables, build_optimizer, init_state)))
+        _state_shapes(cfg, micro))
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
@@ -74,15 +71,19 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     return out
 
 
-def _state(cfg, micro, init_variables, build_optimizer, init_state):
+def _state_shapes(cfg, micro: int) -> dict:
+    """The training state of ``cfg`` as shapes, from one trace of the initialiser."""
     import jax
 
-    from k3jax.model import logical_axes
+    from k3jax.model import abstract_variables_and_axes
+    from k3jax.train.optim import build_optimizer
+    from k3jax.train.step import init_state
 
-    v = init_variables(cfg.model, jax.random.PRNGKey(cfg.train.seed), (micro, cfg.data.seq_len))
-    opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"],
-                          logical_axes(cfg.model)["params"])
-    return init_state(v["params"], v.get("balance", {}), opt, cfg.train.seed)
+    variables, axes = abstract_variables_and_axes(cfg.model, (micro, cfg.data.seq_len))
+    params = variables["params"]
+    opt = build_optimizer(cfg.optim, cfg.train.steps, params, axes["params"])
+    return jax.eval_shape(lambda p, b: init_state(p, b, opt, cfg.train.seed), params,
+                          variables.get("balance", {}))
 
 
 def format_table(out: dict) -> str:

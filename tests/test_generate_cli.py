@@ -21,8 +21,7 @@ def workdir(tmp_path_factory):
 
     from configs.k3_tiny import get_config
     from k3jax.data import build_corpus
-    from k3jax.evaluate import _state
-    from k3jax.model import init_variables
+    from k3jax.model import init_variables, logical_axes
     from k3jax.train.checkpoint import Checkpointer
     from k3jax.train.optim import build_optimizer
     from k3jax.train.step import init_state
@@ -44,9 +43,13 @@ def workdir(tmp_path_factory):
     run.mkdir()
     config = cfg.to_dict()
     (run / "config.json").write_text(json.dumps(config, indent=1))
+    v = jax.jit(init_variables, static_argnums=(0, 2))(
+        cfg.model, jax.random.PRNGKey(cfg.train.seed), (2, cfg.data.seq_len))
+    opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"],
+                          logical_axes(cfg.model)["params"])
     # init_state jitted: one compile instead of one per optimizer-state leaf
-    state = _state(cfg, 2, jax.jit(init_variables, static_argnums=(0, 2)), build_optimizer,
-                   jax.jit(init_state, static_argnums=(2, 3)))
+    state = jax.jit(init_state, static_argnums=(2, 3))(v["params"], v.get("balance", {}), opt,
+                                                       cfg.train.seed)
     ckpt = Checkpointer(run / "checkpoints", 1, async_save=False, log=lambda m: None)
     ckpt.save(3, state, {"config": config, "step": 3})
     ckpt.close()

@@ -102,18 +102,18 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     variables, variable_axes = abstract_variables_and_axes(cfg.model, (micro, cfg.data.seq_len))
     params, axes = variables["params"], variable_axes["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, axes)
-    # The per-device state against the device's memory, before any compile.
-    check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
-                     abstract=(params, axes, jax.eval_shape(optimizer.init, params)))
 
     def make_state(p, b):
         return init_state(p, b, optimizer, cfg.train.seed)
 
+    state_shapes = jax.eval_shape(make_state, params, variables.get("balance", {}))
+    # The per-device state against the device's memory, before any compile.
+    check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
+                     abstract=(params, axes, state_shapes["opt_state"]))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
                         log=log, on_save_error=cfg.checkpoint.on_save_error)
     try:
-        found = ckpt.newest_usable(config, jax.eval_shape(make_state, params,
-                                                          variables.get("balance", {})))
+        found = ckpt.newest_usable(config, state_shapes)
         if found is not None:
             note = check_schedule(found[1].get("config", {}), cfg, found[0],
                                   ckpt.step_path(found[0]))

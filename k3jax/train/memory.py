@@ -75,11 +75,12 @@ def state_bytes_per_device(cfg, sizes: Mapping[str, int], abstract=None) -> Stat
 
 
 def smallest_mesh(cfg, sizes: Mapping[str, int], budget_bytes: float,
-                  max_devices: int = 4096) -> dict[str, int] | None:
+                  max_devices: int = 4096, abstract=None) -> dict[str, int] | None:
     """The mesh with the fewest devices whose per-device state fits ``budget_bytes``: ``fsdp``
     and (with a MoE) ``expert`` sizes over the powers of two, ``data`` and ``tensor`` as in
-    ``sizes``; None if none up to ``max_devices`` devices fits."""
-    abstract = abstract_state(cfg)
+    ``sizes``; None if none up to ``max_devices`` devices fits. ``abstract`` as in
+    :func:`state_bytes_per_device`."""
+    abstract = abstract or abstract_state(cfg)
     fixed = math.prod(v for k, v in sizes.items() if k not in ("fsdp", "expert"))
     experts = cfg.model.moe.num_experts if cfg.model.moe is not None else 1
     powers = [2**i for i in range(13) if 2**i * fixed <= max_devices]
@@ -106,7 +107,7 @@ def check_state_fits(cfg, sizes: Mapping[str, int], device_bytes: float | None,
     budget = share * device_bytes
     if need is None or need.total <= budget:  # an indivisible mesh fails with its own error
         return
-    fits = smallest_mesh(cfg, sizes, budget)
+    fits = smallest_mesh(cfg, sizes, budget, abstract=abstract)
     asked = ", ".join(f"{k}={v}" for k, v in sizes.items())
     hint = ("the smallest mesh that fits: " + ", ".join(f"mesh.{k}={v}" for k, v in fits.items())
             + f" ({math.prod(fits.values())} devices)" if fits
