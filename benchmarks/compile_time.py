@@ -104,16 +104,15 @@ def loss_fn(model):
 
 def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
             trace_dir: str | None = None) -> dict:
-    timed = lambda fn, *a: timed_compile(fn, *a, trace_dir=trace_dir)  # noqa: E731
     model = K3Model(cfg.model)
     b, t = batch["tokens"].shape
     variables = abstract_variables(cfg.model, (b, t))
     params, balance = variables["params"], variables.get("balance", {})
     loss = loss_fn(model)
     if part == "forward":
-        return timed(loss, params, balance, batch)
+        return timed_compile(loss, params, balance, batch, trace_dir=trace_dir)
     if part == "grad":
-        return timed(jax.grad(loss), params, balance, batch)
+        return timed_compile(jax.grad(loss), params, balance, batch, trace_dir=trace_dir)
     optim = dataclasses.replace(cfg.optim, name=optimizer_name)
     axes = logical_axes(cfg.model, (b, t))["params"]
     optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
@@ -121,7 +120,7 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
                            params, balance)
     step = make_train_step(model, optimizer, schedule(optim, cfg.train.steps),
                            cfg.train.micro_batches, cfg.model.moe)
-    return timed(step, state, batch)
+    return timed_compile(step, state, batch, trace_dir=trace_dir)
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,7 @@ second launch must resume from the processes' shared checkpoint. (A constant lea
 schedule does not depend on the number of steps, so the longer second launch runs the first one's
 compiled step, from the compilation cache.) Run as a script, this file is a process of the job:
 ``train.py``'s ``main`` with the given arguments, then one JSON line with the devices it saw and
-the batch rows and fsdp-sharded parameters it held.
+the batch rows it held.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from helpers import free_port, wait_all
 from suite_env import subprocess_env
 from test_parallel import LOSS_RTOL, tiny_moe_config
@@ -83,28 +85,34 @@ def test_two_process_training_matches_one_device_and_resumes(tmp_path):
         report = _report(out)
         assert report["devices"] == PROCESSES * DEVICES_PER_PROCESS
         assert report["local_rows"] == BATCH // PROCESSES                 # each loads its half
-        assert report["partly_held"] > 0                    # parameters split across processes
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]                                    # one writer of metrics
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
                                rtol=LOSS_RTOL)
-    assert (tmp_path / "two" / "checkpoints" / "4").is_dir()
+    split = _split_over_fsdp(tmp_path / "two" / "checkpoints" / "4" / "state")
+    assert split["params"] and split["opt_state"], split  # each process saved only its part
 
     outs = _two_processes(preset, tmp_path / "two", 6)  # the same command, more steps: resumes
     assert any("resumed from" in out for out in outs), outs[0][-2000:]
     assert sorted(_losses(tmp_path / "two")) == [1, 2, 3, 4, 5, 6]
 
 
-def _held_in_part(sharding, shape) -> bool:
-    """Whether this process holds only some of the array's distinct shards."""
-    distinct = lambda m: {str(i) for i in m.values()}  # noqa: E731
-    return (distinct(sharding.addressable_devices_indices_map(shape))
-            < distinct(sharding.devices_indices_map(shape)))
+def _split_over_fsdp(state_dir: Path) -> dict[str, int]:
+    """Per top-level entry of a saved state, how many arrays were saved split over ``fsdp``, as
+    the checkpoint records their shardings; the mesh lays that axis across the two processes."""
+    tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+    split: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = leaf.sharding  # the mesh (data, fsdp, expert, tensor) it was saved from
+        assert list(sharding.shape) == [1, PROCESSES, 4, 1], sharding
+        named = {a for axes in sharding.partition_spec if axes for a in
+                 ((axes,) if isinstance(axes, str) else axes)}
+        split[path[0].key] = split.get(path[0].key, 0) + ("fsdp" in named)
+    return split
 
 
 def _process(argv: list[str]) -> int:
-    """``train.py``'s ``main``, then ``{"devices", "local_rows", "partly_held"}`` of the mesh it
-    trained on (the last: how many parameter arrays this process holds only part of)."""
+    """``train.py``'s ``main``, then ``{"devices", "local_rows"}`` of the mesh it trained on."""
     sys.path.insert(0, str(ROOT))
     import train
 
@@ -114,18 +122,12 @@ def _process(argv: list[str]) -> int:
 
         import k3jax.parallel as kp
         from k3jax.config.experiment import apply_overrides, load_config
-        from k3jax.model import abstract_variables
 
         args = train.parse_args(argv)
-        cfg = apply_overrides(load_config(args.config), args.overrides)
-        mesh = kp.make_mesh(cfg.mesh)
-        rows = kp.local_batch_rows(kp.batch_sharding(mesh, cfg.mesh.rules), (BATCH, SEQ))
-        shardings = kp.variable_shardings(cfg.model, mesh, cfg.mesh.rules)["params"]
-        shapes = abstract_variables(cfg.model)["params"]
-        split = sum(_held_in_part(sh, x.shape) for sh, x in
-                    zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes)))
-        print(json.dumps({"devices": jax.device_count(), "local_rows": rows.stop - rows.start,
-                          "partly_held": split}))
+        mesh_cfg = apply_overrides(load_config(args.config), args.overrides).mesh
+        sharding = kp.batch_sharding(kp.make_mesh(mesh_cfg), mesh_cfg.rules)
+        rows = kp.local_batch_rows(sharding, (BATCH, SEQ))
+        print(json.dumps({"devices": jax.device_count(), "local_rows": rows.stop - rows.start}))
     return rc
 
 
