@@ -1,7 +1,7 @@
 """The benchmark scripts still run: each on toy shapes on the CPU, every JSON line without an error.
 
-They are timed on GPUs only (docs/benchmarks.md); this guards them against bit rot between device
-sessions, and checks the lines carry the fields the docs read from them.
+They are timed on GPUs only (docs/benchmarks.md); this guards them against bit rot between GPU
+runs, and checks the lines carry the fields the docs read from them.
 """
 
 from __future__ import annotations
