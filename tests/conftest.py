@@ -29,11 +29,18 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_enable_compilation_cache", False)
 
 # `make test` runs `pytest -n 2 --dist loadfile`: whole files go to the two workers in the queue's
-# order. These files start training jobs or benchmark scripts in subprocesses (a minute or more
-# each, in one to five tests): they are queued first, so they run while the other worker takes the
-# many short files, not at the end on one worker with the other idle. (pytest-xdist would otherwise
-# queue files by their number of tests, which puts exactly these last.)
-SUBPROCESS_HEAVY_FILES = ("test_distributed_train.py", "test_train.py", "test_benchmarks_smoke.py")
+# order, each worker taking the next file as it runs out. Queued longest first (the largest
+# files' test-seconds on a loaded 2-core machine, in this order: 110 down to 20 s), the two workers
+# end within a short file of each other; in collection order one worker ran a minute longer than
+# the other. The rest follow in collection order. (pytest-xdist would otherwise queue files by
+# their number of tests.)
+HEAVIEST_FILES_FIRST = (
+    "test_train.py", "test_attnres.py", "test_pallas_kda.py", "test_sweep.py",
+    "test_benchmarks_smoke.py", "test_distributed_train.py", "test_model.py",
+    "test_pallas_kda_solve.py", "test_parallel.py", "test_pallas_kda_scores.py",
+    "test_generate.py", "test_layers.py", "test_kda_ops.py", "test_convert_checkpoint.py",
+    "test_ep_dispatch.py", "test_prefix_cache.py", "test_balancing.py", "test_moe.py",
+    "test_readme.py", "test_accounting.py", "test_generate_cli.py")
 
 
 def pytest_configure(config):
@@ -44,7 +51,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     def rank(item):
         name = item.path.name
-        return SUBPROCESS_HEAVY_FILES.index(name) if name in SUBPROCESS_HEAVY_FILES else len(
-            SUBPROCESS_HEAVY_FILES)
+        return HEAVIEST_FILES_FIRST.index(name) if name in HEAVIEST_FILES_FIRST else len(
+            HEAVIEST_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the order inside each file and of the other files is kept
