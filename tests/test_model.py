@@ -93,10 +93,12 @@ def test_scanned_stack_equals_unrolled_stack():
 
 
 def test_remat_gives_the_same_values_and_gradients():
-    """Both policies, on the scanned KDA/MLA pairs (traced layer index) and the unrolled last layer
+    """Both policies, on two scanned KDA layers (traced layer index) and the unrolled last MLA layer
     (static index), against one reference gradient. (AttnRes layers under remat:
     test_attnres.py.)"""
-    cfg = _scanned_config()
+    cfg = small_config(num_layers=3, mla_every=3, first_k_dense=3)  # kda,kda,mla
+    plan = plan_stack(cfg)
+    assert (plan.group, plan.repeats) == ((("kda", "dense"),), 2), plan
     v = init(cfg, 4)
     tokens = _tokens(4)
 
@@ -123,7 +125,9 @@ def test_bad_tokens_are_rejected_before_tracing():
         _apply(cfg, v, jnp.zeros((2, 4), jnp.int32), segment_ids=jnp.zeros((2, 5), jnp.int32))
 
 
-PRESETS = ["k3_tiny", "k3_small", "kimi_linear_48b", "k3_full"]
+# The released shapes (kimi_linear_48b, k3_full) are traced by their parameter counts in
+# test_accounting.py: ``count_params`` initialises them by eval_shape, which runs the forward.
+PRESETS = ["k3_tiny", "k3_small"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
