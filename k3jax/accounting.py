@@ -14,6 +14,7 @@ name, e.g. ``k3_full``); ``--json`` prints one JSON object per row instead.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ def _is_routed_expert(spec) -> bool:
     return bool(names) and names[0] == "exp"
 
 
+@functools.lru_cache(maxsize=256)  # a whole-model trace each; sweeps and MFU ask repeatedly
 def count_params(cfg: ModelConfig) -> ParamCounts:
     """Total and active parameters of ``cfg`` (shapes only; works for the 2.78T config)."""
     shapes, specs = (tree["params"] for tree in abstract_variables_and_axes(cfg))

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import minimize
-from scipy.special import logsumexp
 
 HUBER_DELTA = 1e-3
 
@@ -147,7 +146,10 @@ def _huber_objective(theta: np.ndarray, log_n, log_d, log_l):
     """Huber loss of log-space residuals and its gradient in (e, a, b, alpha, beta)."""
     e, a, b, alpha, beta = theta
     terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
-    pred = logsumexp(terms, axis=0)
+    # log-sum-exp written out: scipy's is ~5x slower on these 3 x n arrays, and a fit evaluates
+    # this thousands of times.
+    top = terms.max(axis=0)
+    pred = top + np.log(np.exp(terms - top).sum(axis=0))
     r = pred - log_l
     small = np.abs(r) <= HUBER_DELTA
     loss = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()
