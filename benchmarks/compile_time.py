@@ -49,7 +49,7 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 from k3jax.config.experiment import apply_overrides  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
-from k3jax.train.optim import build_optimizer, schedule  # noqa: E402
+from k3jax.train.optim import build_optimizer, schedule_args  # noqa: E402
 from k3jax.train.step import (  # noqa: E402
     BATCH_KEYS,
     MUTABLE,
@@ -118,9 +118,9 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
     optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
     state = jax.eval_shape(lambda p, bal: init_state(p, bal, optimizer, cfg.train.seed),
                            params, balance)
-    step = make_train_step(model, optimizer, schedule(optim, cfg.train.steps),
-                           cfg.train.micro_batches, cfg.model.moe)
-    return timed_compile(step, state, batch, trace_dir=trace_dir)
+    step = make_train_step(model, optim, cfg.train.micro_batches, cfg.model.moe, axes)
+    return timed_compile(step, state, batch, schedule_args(optim, cfg.train.steps),
+                         trace_dir=trace_dir)
 
 
 def main(argv=None) -> None:

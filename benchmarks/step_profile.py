@@ -51,12 +51,13 @@ from k3jax.config.experiment import apply_overrides, load_config, preset_path
 from k3jax.model import K3Model, abstract_variables_and_axes
 from k3jax.parallel import batch_placement, init_sharded_state, make_mesh, sharded_step
 from k3jax.sweep.ladder import scale_width
-from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.step import BATCH_KEYS, init_state, make_train_step
 
 
 def build(cfg):
-    """``(step, state, batch)``: the loop's jitted step, a fresh sharded state, a random batch."""
+    """``(step, state, inputs)``: the loop's jitted step, a fresh sharded state, and its other
+    inputs: a random batch and the schedule's numbers."""
     micro = cfg.data.batch_size // cfg.train.micro_batches
     shape = (micro, cfg.data.seq_len)
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
@@ -65,38 +66,39 @@ def build(cfg):
     state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
                                lambda p, b: init_state(p, b, optimizer, cfg.train.seed), shape,
                                axes)
-    step_fn = make_train_step(K3Model(cfg.model), optimizer, schedule(cfg.optim, cfg.train.steps),
-                              cfg.train.micro_batches, cfg.model.moe)
+    step_fn = make_train_step(K3Model(cfg.model), cfg.optim, cfg.train.micro_batches,
+                              cfg.model.moe, axes["params"])
     step = sharded_step(step_fn, state, mesh, rules, donate=jax.default_backend() != "cpu")
+    lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     rng = np.random.default_rng(0)
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
     host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.zeros((b, t), np.int32), "weights": np.ones((b, t), np.float32)}
     batch = batch_placement(mesh, rules, b)({k: host[k] for k in BATCH_KEYS})
-    return step, state, batch
+    return step, state, (batch, lr_args)
 
 
-def compile_step(step, state, batch) -> tuple[object, dict]:
+def compile_step(step, state, inputs) -> tuple[object, dict]:
     """The compiled step and the seconds of each stage, XLA's temporaries and the HLO text."""
-    compiled, stages = compile_stages(lambda: step.trace(state, batch))
+    compiled, stages = compile_stages(lambda: step.trace(state, *inputs))
     stages.pop("total_s")
     return compiled, {**stages, "hlo": compiled.as_text()}
 
 
-def run_steps(compiled, state, batch, n: int):
+def run_steps(compiled, state, inputs, n: int):
     """``n`` steps, blocking once at the end; -> (state, seconds)."""
     t0 = time.perf_counter()
     for _ in range(n):
-        state, _ = compiled(state, batch)
+        state, _ = compiled(state, *inputs)
     jax.block_until_ready(state)
     return state, time.perf_counter() - t0
 
 
-def profile(compiled, state, batch, steps: int, trace_dir: str, hlo: str) -> dict:
+def profile(compiled, state, inputs, steps: int, trace_dir: str, hlo: str) -> dict:
     """Trace ``steps`` steps into ``trace_dir`` and summarise the first device's kernels."""
     with jax.profiler.trace(trace_dir):
-        state, _ = run_steps(compiled, state, batch, steps)
+        state, _ = run_steps(compiled, state, inputs, steps)
     planes = {}
     for path in trace_files([trace_dir]):
         for plane, kernels in device_kernels(path).items():
@@ -188,19 +190,19 @@ def main(argv=None) -> None:
                  f"train.micro_batches={cfg.train.micro_batches}")
 
     t0 = time.perf_counter()
-    step, state, batch = build(cfg)
+    step, state, inputs = build(cfg)
     setup_s = time.perf_counter() - t0
-    compiled, stages = compile_step(step, state, batch)
+    compiled, stages = compile_step(step, state, inputs)
     hlo = stages.pop("hlo")
     if args.keep_trace and not args.out:
         ap.error("--keep-trace needs --out")
     with _exclusive(args.serialize_with), \
             tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
-        state, first_s = run_steps(compiled, state, batch, 1)
-        state, _ = run_steps(compiled, state, batch, args.warmup)
-        state, seconds = run_steps(compiled, state, batch, args.steps)
+        state, first_s = run_steps(compiled, state, inputs, 1)
+        state, _ = run_steps(compiled, state, inputs, args.warmup)
+        state, seconds = run_steps(compiled, state, inputs, args.steps)
         trace_dir = f"{args.out}/trace" if args.keep_trace else tmp
-        summary = profile(compiled, state, batch, args.trace_steps, trace_dir, hlo)
+        summary = profile(compiled, state, inputs, args.trace_steps, trace_dir, hlo)
     step_s = seconds / max(args.steps, 1)
     tokens = data.batch_size * data.seq_len
     mfu = mfu_fn(cfg.model, data.seq_len, jax.devices()[0].device_kind, jax.device_count())

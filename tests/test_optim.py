@@ -5,6 +5,8 @@ group after transposition), a scanned ``[layers, in, out]`` stack, ``[layers, ex
 experts, a matrix with two output axes (``w_kvb``), and AdamW-only leaves (embedding, norm).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,12 +20,15 @@ from k3jax.train.optim import (
     NS_COEFFS,
     build_optimizer,
     decay_mask,
+    learning_rate,
     muon_dims,
     muon_labels,
     newton_schulz,
     orthogonalize_grouped,
     path_name,
+    phases,
     schedule,
+    schedule_args,
 )
 
 SHAPES = {  # name: (shape, logical axes)
@@ -147,3 +152,46 @@ def test_one_newton_schulz_loop_per_shape():
 def test_bad_dimension_numbers():
     with pytest.raises(ValueError, match="disjoint reduction and output axes"):
         orthogonalize_grouped({"w": jnp.ones((4, 4))}, {"w": MuonDimensionNumbers(0, 0)})
+
+
+# -- the learning-rate schedule as step data -------------------------------------------------------
+
+def _optax_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The schedule composed from optax's own functions, its numbers constants of the program:
+    what :func:`learning_rate` must reproduce from :func:`schedule_args`."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    warmup, rest, decay = phases(cfg, total_steps)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
+            [rest - decay])
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)), after],
+                                [warmup])
+
+
+@pytest.mark.parametrize("kind", ["wsd", "cosine", "constant"])
+def test_schedule_from_step_data_equals_optax_bit_for_bit(kind):
+    """Every step of several runs (with and without warmup, a warmup past the run's end, odd
+    learning rates and floors), from one compiled function of the schedule's numbers."""
+    runs = [(OptimConfig(lr=3e-3, warmup_steps=20, decay_fraction=0.3), 400),
+            (OptimConfig(lr=0.0021, warmup_steps=0, decay_fraction=0.2, min_lr_ratio=0.07), 97),
+            (OptimConfig(lr=1e-2, warmup_steps=50, min_lr_ratio=0.1), 30),
+            (OptimConfig(lr=7.3e-4, warmup_steps=1, decay_fraction=1.0, min_lr_ratio=0.0), 3)]
+
+    @jax.jit
+    def ours(counts, args):
+        return jax.vmap(lambda c: learning_rate(kind, c, args))(counts)
+
+    for cfg, total in runs:
+        cfg = dataclasses.replace(cfg, schedule=kind)
+        counts = jnp.arange(total + 3, dtype=jnp.int32)
+        want = jax.jit(jax.vmap(lambda c: jnp.asarray(_optax_schedule(cfg, total)(c),
+                                                      jnp.float32)))(counts)
+        got = ours(counts, schedule_args(cfg, total))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(cfg))

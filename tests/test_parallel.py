@@ -23,11 +23,12 @@ from k3jax.config.experiment import OptimConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.model import K3Model, abstract_variables, init_variables
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
-from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.step import init_state, make_train_step
 
 STEPS, BATCH, SEQ = 3, 8, 16
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
+LR_ARGS = schedule_args(OPTIM, 10)  # the schedule's numbers, an input of every step
 # Loss values after a few steps agree to round-off; fp32 sums in a different order.
 LOSS_RTOL = 1e-5
 
@@ -53,7 +54,7 @@ def train_batches(steps: int = STEPS) -> list[dict]:
 def _optimizer_and_step(cfg, micro_batches: int):
     """The optimiser and the (unjitted) train step of ``cfg``, built once per test process."""
     optimizer = build_optimizer(OPTIM, 10, abstract_variables(cfg)["params"])
-    step_fn = make_train_step(K3Model(cfg), optimizer, schedule(OPTIM, 10), micro_batches, cfg.moe)
+    step_fn = make_train_step(K3Model(cfg), OPTIM, micro_batches, cfg.moe)
     return optimizer, step_fn
 
 
@@ -85,7 +86,7 @@ def train_losses(dispatch: str, mesh=None, rules=None, place=None):
         put = place or (lambda b: jax.device_put(b, kp.batch_sharding(mesh, rules)))
     losses = []
     for batch in train_batches():
-        state, metrics = step(state, put(batch))
+        state, metrics = step(state, put(batch), LR_ARGS)
         losses.append(float(metrics["loss"]))
     return losses, state
 
@@ -186,7 +187,7 @@ def test_micro_batches_equal_one_full_batch(balancing):
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, balancing=balancing))
     state = _initial_state(cfg)
     batch = train_batches(1)[0]
-    out = {m: _jitted_step(cfg, m)(state, batch) for m in (1, 2)}
+    out = {m: _jitted_step(cfg, m)(state, batch, LR_ARGS) for m in (1, 2)}
     (one, m1), (two, m2) = out[1], out[2]
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=LOSS_RTOL)
     for part in ("params", "balance"):

@@ -5,6 +5,7 @@ The runs are subprocesses of ``train.py`` sharing one JAX compilation cache, so 
 compiles. Model: 2 layers (KDA then MLA), d_model 32, vocab 256, sequences of 32 tokens.
 """
 
+import functools
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from k3jax.config import ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConf
 from k3jax.config.experiment import OptimConfig
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from k3jax.train.checkpoint import check_config
-from k3jax.train.optim import build_optimizer, decay_mask, muon_labels, schedule
+from k3jax.train.optim import build_optimizer, decay_mask, muon_labels, schedule, schedule_args
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 24, 4
@@ -213,7 +214,8 @@ def test_nonfinite_step_is_skipped_and_counted():
     variables = init(model_cfg, 0)
     opt = build_optimizer(cfg, 10, variables["params"])
     state = init_state(variables["params"], {}, opt, 0)
-    step = jax.jit(make_train_step(K3Model(model_cfg), opt, schedule(cfg, 10), 1))
+    step = functools.partial(jax.jit(make_train_step(K3Model(model_cfg), cfg, 1)),
+                             schedule=schedule_args(cfg, 10))
     good = {"tokens": np.ones((2, 16), np.int32), "targets": np.full((2, 16), 7, np.int32),
             "segment_ids": np.ones((2, 16), np.int32), "weights": np.ones((2, 16), np.float32)}
     bad = {**good, "weights": np.full((2, 16), np.nan, np.float32)}
@@ -225,6 +227,29 @@ def test_nonfinite_step_is_skipped_and_counted():
     s2, m2 = step(s1, good)
     assert bool(m2["finite"]) and int(s2["bad_steps"]) == 0 and int(s2["skipped"]) == 1
     assert not np.array_equal(np.asarray(s2["params"]["head"]), np.asarray(s1["params"]["head"]))
+
+
+def test_runs_differing_in_schedule_numbers_share_one_step_program():
+    """Learning rate, warmup, decay and length are step data: two runs' train steps lower to the
+    same program (so the second loads the first's from the compilation cache)."""
+    from k3jax.model import K3Model
+    from k3jax.train.step import init_state, make_train_step
+
+    model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
+    variables = init(model_cfg, 0)
+    batch = {"tokens": np.ones((2, 16), np.int32), "targets": np.ones((2, 16), np.int32),
+             "segment_ids": np.ones((2, 16), np.int32), "weights": np.ones((2, 16), np.float32)}
+
+    def program(cfg, steps):
+        state = init_state(variables["params"], {}, build_optimizer(cfg, steps,
+                                                                    variables["params"]), 0)
+        step = jax.jit(make_train_step(K3Model(model_cfg), cfg, 1))
+        return step.trace(state, batch, schedule_args(cfg, steps)).lower().as_text()
+
+    a = program(OptimConfig(lr=1e-2, warmup_steps=4, decay_fraction=0.2), 100)
+    assert a == program(OptimConfig(lr=3e-4, warmup_steps=0, decay_fraction=0.5,
+                                    min_lr_ratio=0.3), 7)
+    assert a != program(OptimConfig(lr=1e-2, warmup_steps=4, schedule="cosine"), 100)
 
 
 def test_nonfinite_run_stops_naming_step_and_checkpoint(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
@@ -40,25 +40,28 @@ def init_sharded_state(model_cfg, mesh: Mesh, rules, rng: jax.Array,
 
 
 class MeshStep:
-    """``step_fn(state, batch) -> (state, metrics)`` jitted over ``mesh``: the state keeps the
-    shardings it has now, every batch array is split on axis 0 over the batch axes. Call it like
-    the step; :meth:`lower` gives the lowering (for compile timing, HLO text, memory analysis)."""
+    """``step_fn(state, batch, *data) -> (state, metrics)`` jitted over ``mesh``: the state keeps
+    the shardings it has now, every batch array is split on axis 0 over the batch axes, the rest
+    (the schedule's numbers) is replicated. Call it like the step; :meth:`trace` gives the trace
+    (for compile timing, HLO text, memory analysis)."""
 
     def __init__(self, step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
         state_sh = shardings_of(state)
-        self.jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules)),
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules),
+                                                     self.replicated),
                               out_shardings=(state_sh, None),
                               donate_argnums=(0,) if donate else ())
         self.mesh, self.rules = mesh, rules
 
-    def __call__(self, state, batch):
+    def __call__(self, state, batch, data):
         with use_mesh(self.mesh, self.rules):
-            return self.jitted(state, batch)
+            return self.jitted(state, batch, data)
 
-    def trace(self, state, batch):
+    def trace(self, state, batch, data):
         """``jax.jit(...).trace`` under the mesh (``.lower().compile()`` from there)."""
         with use_mesh(self.mesh, self.rules):
-            return self.jitted.trace(state, batch)
+            return self.jitted.trace(state, batch, data)
 
 
 def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules,

@@ -25,7 +25,7 @@ from k3jax.train.checkpoint import Checkpointer, abstract_like
 from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.memory import check_state_fits
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
-from k3jax.train.optim import build_optimizer, schedule
+from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.resume import check_schedule, history
 from k3jax.train.step import BATCH_KEYS, init_state, make_eval_step, make_train_step
 from k3jax.train.workdir import LOG_FILE, RunLog, check_workdir, lock_run
@@ -142,10 +142,12 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     model = K3Model(cfg.model)
     on_cpu = jax.default_backend() == "cpu"
     state = jax.device_put(state, state_shardings)  # a restored state: back to the mesh layout
-    train_step = sharded_step(make_train_step(model, optimizer,
-                                              schedule(cfg.optim, cfg.train.steps),
-                                              cfg.train.micro_batches, cfg.model.moe),
+    train_step = sharded_step(make_train_step(model, cfg.optim, cfg.train.micro_batches,
+                                              cfg.model.moe, axes),
                               state, mesh, rules, donate=not on_cpu)
+    # The schedule's numbers are step data: a run with another learning rate or length loads
+    # this run's compiled step from the compilation cache.
+    lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), train_step.replicated)
     eval_step = under_mesh(jax.jit(make_eval_step(model)), mesh, rules)
     place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
@@ -178,7 +180,8 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
             t_call = time.time()
-            state, metrics = train_step(state, place({k: host_batch[k] for k in BATCH_KEYS}))
+            state, metrics = train_step(state, place({k: host_batch[k] for k in BATCH_KEYS}),
+                                        lr_args)
             if pending is not None:
                 _check_finite(pending, cfg.train.max_bad_steps, ckpt)
             pending = (step + 1, metrics)

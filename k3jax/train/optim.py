@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
@@ -212,31 +213,68 @@ def phases(cfg, total_steps: int) -> tuple[int, int, int]:
     return warmup, rest, max(int(round(cfg.decay_fraction * rest)), 1)
 
 
-def schedule(cfg, total_steps: int) -> optax.Schedule:
-    """Learning rate per step for ``cfg`` (an OptimConfig); warmup is linear from 0."""
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+def schedule_args(cfg, total_steps: int) -> dict[str, np.ndarray]:
+    """The numbers of ``cfg``'s learning-rate schedule over ``total_steps``: data of the train step,
+    not constants of its program, so runs that differ only in them (a learning-rate grid, token
+    budgets, WSD branches) share one compiled step.
+
+    Each value is the constant optax's own schedule functions would fold into the program,
+    computed the same way (differences in float64 first, then rounded to float32), so
+    :func:`learning_rate` returns their values bit for bit.
+    """
+    peak, floor, alpha = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.min_lr_ratio
     warmup, rest, decay = phases(cfg, total_steps)
-    warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
-    if cfg.schedule == "constant":
-        after = optax.constant_schedule(peak)
-    elif cfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio)
-    else:  # warmup-stable-decay: flat, then linear to the floor over the last decay_fraction
-        after = optax.join_schedules(
-            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
-            [rest - decay])
-    if warmup == 0:
-        return after
-    return optax.join_schedules([warm, after], [warmup])
+    f32, i32 = np.float32, np.int32
+    return {"peak": f32(peak), "warm_span": f32(0.0 - peak), "warm_steps": i32(max(warmup, 1)),
+            "warmup": i32(warmup), "rest": i32(rest), "stable": i32(rest - decay),
+            "decay": i32(decay), "floor": f32(floor), "decay_span": f32(peak - floor),
+            "cos_span": f32(1 - alpha), "alpha": f32(alpha)}
 
 
-def build_optimizer(cfg, total_steps: int, params, axes=None) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW or Muon+AdamW, with the learning rate of :func:`schedule`.
+def _linear(count, span, end, steps):
+    """optax's ``linear_schedule(init, end, steps)`` at ``count`` with ``span = init - end``."""
+    frac = 1 - jnp.clip(count, 0, steps) / steps
+    return span * frac + end
+
+
+def learning_rate(kind: str, count, args: dict) -> jax.Array:
+    """The schedule ``kind`` (``constant``, ``cosine`` or ``wsd``) at step ``count`` (an int32
+    scalar, traced or not), from :func:`schedule_args` (numbers or traced scalars): linear warmup
+    from 0, then constant, cosine decay to ``min_lr_ratio``, or warmup-stable-decay (flat, then
+    linear to the floor over the last ``decay_fraction``)."""
+    peak = args["peak"]
+    after = count - args["warmup"]  # steps since the warmup (negative during it)
+    if kind == "constant":
+        rest = jnp.broadcast_to(peak, jnp.shape(count)).astype(jnp.float32)
+    elif kind == "cosine":
+        t = jnp.minimum(after, args["rest"])
+        cos = 0.5 * (1 + jnp.cos(jnp.pi * t / args["rest"]))
+        rest = peak * (args["cos_span"] * cos + args["alpha"])
+    else:
+        rest = jnp.where(after < args["stable"], peak,
+                         _linear(after - args["stable"], args["decay_span"], args["floor"],
+                                 args["decay"]))
+    warm = _linear(count, args["warm_span"], peak, args["warm_steps"])
+    return jnp.where(count < args["warmup"], warm, rest)
+
+
+def schedule(cfg, total_steps: int, args: dict | None = None) -> optax.Schedule:
+    """Learning rate per step for ``cfg`` (an OptimConfig): :func:`learning_rate` with ``args``
+    (default: :func:`schedule_args` of ``cfg`` over ``total_steps``)."""
+    args = schedule_args(cfg, total_steps) if args is None else args
+    return lambda count: learning_rate(cfg.schedule, count, args)
+
+
+def build_optimizer(cfg, total_steps: int | None, params, axes=None,
+                    args: dict | None = None) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW or Muon+AdamW, with the learning rate of :func:`schedule`
+    over ``total_steps``, or from ``args`` (:func:`schedule_args`, traced inside the train step).
 
     ``params`` (arrays or shape structs) fixes which parameter goes where; ``axes`` are their
-    logical axis names (optional, see :func:`muon_dims`).
+    logical axis names (optional, see :func:`muon_dims`). The optimiser's state does not depend
+    on the schedule.
     """
-    lr = schedule(cfg, total_steps)
+    lr = schedule(cfg, total_steps, args)
     adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=decay_mask)
     if cfg.name == "adamw":
@@ -264,4 +302,4 @@ def build_optimizer(cfg, total_steps: int, params, axes=None) -> optax.GradientT
 
 __all__ = ["BATCH_AXES", "NO_DECAY", "NOT_MUON", "NS_COEFFS", "build_optimizer", "decay_mask",
            "grouped_muon", "muon_dims", "muon_labels", "newton_schulz", "orthogonalize_grouped",
-           "phases", "scale_by_grouped_muon", "schedule"]
+           "learning_rate", "phases", "scale_by_grouped_muon", "schedule", "schedule_args"]

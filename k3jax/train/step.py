@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from k3jax.ops import balancing
+from k3jax.train.optim import build_optimizer, learning_rate
 
 MUTABLE = ["balance_stats", "diagnostics", "losses"]
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "weights")
@@ -48,11 +49,14 @@ def _variables(params, balance):
     return {"params": params, "balance": balance} if balance else {"params": params}
 
 
-def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
-                    micro_batches: int, moe_cfg=None):
-    """-> ``step(state, batch) -> (state, metrics)``, to be jitted by the caller.
+def make_train_step(model, optim_cfg, micro_batches: int, moe_cfg=None, axes=None):
+    """-> ``step(state, batch, schedule) -> (state, metrics)``, to be jitted by the caller.
 
-    ``model`` is a ``K3Model``; ``moe_cfg`` the MoEConfig when the model has one (bias updates).
+    ``model`` is a ``K3Model``; ``optim_cfg`` the OptimConfig (the optimiser of
+    :func:`~k3jax.train.optim.build_optimizer`; ``axes`` the parameters' logical axis names, for
+    Muon); ``moe_cfg`` the MoEConfig when the model has one (bias updates). ``schedule`` is
+    :func:`~k3jax.train.optim.schedule_args` of the run: data, so the compiled step does not depend
+    on the learning rate or the number of steps.
     """
 
     def micro_loss(params, balance, mb, total_tokens, rng):
@@ -71,8 +75,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
     # Exact QB keeps every margin, so its statistics grow per micro-batch: no scan carry for it.
     scan_micro = micro_batches > 1 and not (moe_cfg is not None and moe_cfg.balancing == "quantile")
 
-    def step(state, batch):
+    def step(state, batch, schedule):
         params, balance = state["params"], state["balance"]
+        optimizer = build_optimizer(optim_cfg, None, params, axes, args=schedule)
         mbs = {k: split_micro(batch[k], micro_batches) for k in BATCH_KEYS}
         total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         rng = jax.random.fold_in(state["rng"], state["step"])
@@ -109,7 +114,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, lr_schedule,
                  "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "aux_loss": out["aux"], "sum_nats": out["sum_nats"],
-                   "tokens": total, "grad_norm": grad_norm, "lr": lr_schedule(state["step"] - 1),
+                   "tokens": total, "grad_norm": grad_norm,
+                   "lr": learning_rate(optim_cfg.schedule, state["step"] - 1, schedule),
                    "finite": ok, "bad_steps": state["bad_steps"],
                    "maxvio": balancing.balance_metrics(out["stats"]), "diag": out["diag"]}
         return state, metrics
