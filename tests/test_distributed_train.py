@@ -5,9 +5,9 @@ MoE model (Quantile Balancing on) with the all-to-all dispatch: the fsdp axis is
 processes, the expert axis within each. Each process loads only its rows of every batch, holds and
 checkpoints only its own shards of the parameters and optimiser moments, and only process 0 writes
 metrics. The losses must equal a one-device run of the same config with the ragged dispatch, and a
-second launch must resume from the processes' shared checkpoint. (A constant learning rate: the
-schedule does not depend on the number of steps, so the longer second launch runs the first one's
-compiled step, from the compilation cache.) Run as a script, this file is a process of the job:
+second launch must resume from the processes' shared checkpoint. (The schedule's numbers are step
+data, so the longer second launch runs the first one's compiled step, from the compilation
+cache.) Run as a script, this file is a process of the job:
 ``train.py``'s ``main`` with the given arguments, then one JSON line with the devices it saw and
 the batch rows it held.
 """
