@@ -227,10 +227,9 @@ def schedule_args(cfg, total_steps: int) -> dict[str, np.ndarray]:
     peak, floor, alpha = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.min_lr_ratio
     warmup, rest, decay = phases(cfg, total_steps)
     f32, i32 = np.float32, np.int32
-    return {"peak": f32(peak), "warm_span": f32(0.0 - peak), "warm_steps": i32(max(warmup, 1)),
-            "warmup": i32(warmup), "rest": i32(rest), "stable": i32(rest - decay),
-            "decay": i32(decay), "floor": f32(floor), "decay_span": f32(peak - floor),
-            "cos_span": f32(1 - alpha), "alpha": f32(alpha)}
+    return {"peak": f32(peak), "floor": f32(floor), "decay_span": f32(peak - floor),
+            "cos_span": f32(1 - alpha), "alpha": f32(alpha), "warmup": i32(warmup),
+            "rest": i32(rest), "decay": i32(decay)}
 
 
 def _linear(count, span, end, steps):
@@ -244,20 +243,21 @@ def learning_rate(kind: str, count, args: dict) -> jax.Array:
     scalar, traced or not), from :func:`schedule_args` (numbers or traced scalars): linear warmup
     from 0, then constant, cosine decay to ``min_lr_ratio``, or warmup-stable-decay (flat, then
     linear to the floor over the last ``decay_fraction``)."""
-    peak = args["peak"]
-    after = count - args["warmup"]  # steps since the warmup (negative during it)
+    peak, warmup = args["peak"], args["warmup"]
+    after = count - warmup  # steps since the warmup (negative during it)
     if kind == "constant":
-        rest = jnp.broadcast_to(peak, jnp.shape(count)).astype(jnp.float32)
+        rest = peak
     elif kind == "cosine":
         t = jnp.minimum(after, args["rest"])
         cos = 0.5 * (1 + jnp.cos(jnp.pi * t / args["rest"]))
         rest = peak * (args["cos_span"] * cos + args["alpha"])
     else:
-        rest = jnp.where(after < args["stable"], peak,
-                         _linear(after - args["stable"], args["decay_span"], args["floor"],
-                                 args["decay"]))
-    warm = _linear(count, args["warm_span"], peak, args["warm_steps"])
-    return jnp.where(count < args["warmup"], warm, rest)
+        stable = args["rest"] - args["decay"]
+        rest = jnp.where(after < stable, peak,
+                         _linear(after - stable, args["decay_span"], args["floor"], args["decay"]))
+    # -peak is exact, as is the float64 0 - peak optax rounds; integers are exact too.
+    warm = _linear(count, -peak, peak, jnp.maximum(warmup, 1))
+    return jnp.where(count < warmup, warm, rest)
 
 
 def schedule(cfg, total_steps: int, args: dict | None = None) -> optax.Schedule:
