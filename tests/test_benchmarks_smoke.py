@@ -45,10 +45,13 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
     assert {"matmul", "fusion"} <= set(cats)
     assert "other" not in cats  # no kernel without its instruction
     assert abs(sum(r["share"] for r in cats.values()) - 1) < 1e-3
-    scopes = {r["source"].split("/")[0] for r in rows if "source" in r}
-    assert {"kda", "mla", "moe"} <= scopes, scopes
+    assert any("source" in r for r in rows)
     ops = [json.loads(line) for line in (tmp_path / "ops.jsonl").read_text().splitlines()]
     assert ops and all(op["calls"] >= 1 for op in ops)
+    # From every kernel, not the printed top sources: their order follows timings, which a
+    # loaded machine shuffles.
+    scopes = {op["source"].split("/")[0] for op in ops}
+    assert {"kda", "mla", "moe"} <= scopes, scopes
     assert (tmp_path / "hlo.txt.gz").stat().st_size > 0
 
 
