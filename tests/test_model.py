@@ -93,12 +93,13 @@ def test_scanned_stack_equals_unrolled_stack():
 
 
 def test_remat_gives_the_same_values_and_gradients():
-    """Both policies, on two scanned KDA layers (traced layer index) and the unrolled last MLA layer
-    (static index), against one reference gradient. (AttnRes layers under remat:
-    test_attnres.py.)"""
-    cfg = small_config(num_layers=3, mla_every=3, first_k_dense=3)  # kda,kda,mla
+    """Both policies, on three scanned KDA layers (traced layer index) and the unrolled last MLA
+    layer (static index), against one reference gradient. (AttnRes layers under remat:
+    test_attnres.py.) The other tests' config: its initialiser is compiled already, and a scan
+    compiles its layer once however many it repeats."""
+    cfg = small_config()  # kda,kda,kda,mla
     plan = plan_stack(cfg)
-    assert (plan.group, plan.repeats) == ((("kda", "dense"),), 2), plan
+    assert (plan.group, plan.repeats) == ((("kda", "dense"),), 3), plan
     v = init(cfg, 4)
     tokens = _tokens(4)
 
