@@ -2,9 +2,11 @@
 runs, every kernel tied to the HLO instruction and the model code it came from.
 
 The step is built as the training loop builds it (the preset's mesh, sharded state, donated
-buffers, its micro-batches and optimiser) on random tokens. The script times the compile stages
-(trace, lower, XLA compile) and the first call, runs ``--warmup`` steps, times ``--steps`` steps
-(tokens/s, MFU as ``train.py`` counts it), then traces ``--trace-steps`` more. JSON lines::
+buffers, its micro-batches and optimiser) on random tokens, and compiled as the loop compiles it:
+on a worker thread while the state is initialised. The script times the compile stages (trace,
+lower, XLA compile), the set-up beside it, the first call and ``start_to_first_step_s`` (from the
+start to the first step done), runs ``--warmup`` steps, times ``--steps`` steps (tokens/s, MFU as
+``train.py`` counts it), then traces ``--trace-steps`` more. JSON lines::
 
     {"bench": "step_profile", "preset", "tokens_per_s", "step_ms", "mfu", "compile_s", ...,
      "busy_ms", "gap_ms", "temp_GiB"}                  # per step; gap = device idle inside a step
@@ -43,47 +45,63 @@ import time
 
 import jax
 import numpy as np
-from _timing import compile_stages, emit
+from _timing import emit
 from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
 from k3jax.accounting import count_params, mfu_fn
 from k3jax.config.experiment import apply_overrides, load_config, preset_path
 from k3jax.model import K3Model, abstract_variables_and_axes
-from k3jax.parallel import batch_placement, init_sharded_state, make_mesh, sharded_step
+from k3jax.parallel import (
+    abstract_batch,
+    batch_placement,
+    init_sharded_state,
+    make_mesh,
+    sharded_state_shapes,
+    sharded_step,
+)
 from k3jax.sweep.ladder import scale_width
 from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.step import BATCH_KEYS, init_state, make_train_step
 
 
 def build(cfg):
-    """``(step, state, inputs)``: the loop's jitted step, a fresh sharded state, and its other
-    inputs: a random batch and the schedule's numbers."""
+    """``(step, state, inputs, stages)`` as the training loop makes them: the jitted step, a fresh
+    sharded state and the step's other inputs (a random batch, the schedule's numbers), the step
+    compiled on a worker thread while the state is initialised. ``stages``: the compile stages'
+    seconds, XLA's temporaries, the HLO text and ``setup_s`` (initialising, while XLA compiles)."""
     micro = cfg.data.batch_size // cfg.train.micro_batches
     shape = (micro, cfg.data.seq_len)
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
     variables, axes = abstract_variables_and_axes(cfg.model, shape)
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, variables["params"], axes["params"])
-    state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
-                               lambda p, b: init_state(p, b, optimizer, cfg.train.seed), shape,
-                               axes)
+
+    def make_state(p, b):
+        return init_state(p, b, optimizer, cfg.train.seed)
+
+    shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables, axes)
     step_fn = make_train_step(K3Model(cfg.model), cfg.optim, cfg.train.micro_batches,
                               cfg.model.moe, axes["params"])
-    step = sharded_step(step_fn, state, mesh, rules, donate=jax.default_backend() != "cpu")
+    step = sharded_step(step_fn, shapes, mesh, rules, donate=jax.default_backend() != "cpu")
     lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     rng = np.random.default_rng(0)
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
     host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.zeros((b, t), np.int32), "weights": np.ones((b, t), np.float32)}
-    batch = batch_placement(mesh, rules, b)({k: host[k] for k in BATCH_KEYS})
-    return step, state, (batch, lr_args)
-
-
-def compile_step(step, state, inputs) -> tuple[object, dict]:
-    """The compiled step and the seconds of each stage, XLA's temporaries and the HLO text."""
-    compiled, stages = compile_stages(lambda: step.trace(state, *inputs))
-    stages.pop("total_s")
-    return compiled, {**stages, "hlo": compiled.as_text()}
+    host = {k: host[k] for k in BATCH_KEYS}
+    compiling = step.compile_async(shapes, abstract_batch(mesh, rules, host), lr_args)
+    t0 = time.perf_counter()
+    state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
+                               make_state, shape, axes)
+    jax.block_until_ready(state)
+    setup_s = time.perf_counter() - t0
+    compiled = compiling.result()
+    mem = compiled.run.memory_analysis()
+    stages = {**{k: round(v, 2) for k, v in compiled.seconds.items()}, "setup_s": round(setup_s, 2),
+              "temp_GiB": None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2),
+              "hlo": compiled.run.as_text()}
+    batch = batch_placement(mesh, rules, b)(host)
+    return compiled.run, state, (batch, lr_args), stages
 
 
 def run_steps(compiled, state, inputs, n: int):
@@ -190,9 +208,8 @@ def main(argv=None) -> None:
                  f"train.micro_batches={cfg.train.micro_batches}")
 
     t0 = time.perf_counter()
-    step, state, inputs = build(cfg)
-    setup_s = time.perf_counter() - t0
-    compiled, stages = compile_step(step, state, inputs)
+    compiled, state, inputs, stages = build(cfg)
+    ready_s = time.perf_counter() - t0  # waiting for --serialize-with's lock is not counted
     hlo = stages.pop("hlo")
     if args.keep_trace and not args.out:
         ap.error("--keep-trace needs --out")
@@ -215,7 +232,8 @@ def main(argv=None) -> None:
           "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
           "tokens_per_s": round(tokens / step_s), "step_ms": round(step_s * 1e3, 2),
           "mfu": None if mfu is None else round(mfu(tokens / step_s), 4),
-          "setup_s": round(setup_s, 2), **stages, "first_call_s": round(first_s, 2),
+          **stages, "first_call_s": round(first_s, 2),
+          "start_to_first_step_s": round(ready_s + first_s, 2),
           "busy_ms": per_step(summary["busy_ns"]), "kernel_ms": per_step(summary["kernel_ns"]),
           "gap_ms": per_step(summary["span_ns"] - summary["busy_ns"]),
           "peak_GiB": _peak_gib()})

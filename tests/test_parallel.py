@@ -21,7 +21,7 @@ import k3jax.parallel as kp
 from k3jax.config import ConfigError, MoEConfig
 from k3jax.config.experiment import OptimConfig
 from k3jax.config.mesh import MeshConfig
-from k3jax.model import K3Model, abstract_variables, init_variables
+from k3jax.model import K3Model, abstract_variables, abstract_variables_and_axes, init_variables
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.step import init_state, make_train_step
@@ -81,8 +81,17 @@ def train_losses(dispatch: str, mesh=None, rules=None, place=None):
     if mesh is None:
         state, step, put = _initial_state(cfg), _jitted_step(cfg, 1), lambda b: b
     else:
+        # As the training loop does it: the step compiled for the state's abstract shapes (on a
+        # worker thread) while the state is initialised; the compiled step accepts only arrays of
+        # exactly the shardings it was compiled for.
+        shapes = kp.sharded_state_shapes(cfg, mesh, rules, make_state, *abstract_variables_and_axes(
+            cfg, (1, 8)))
+        host = train_batches(1)[0]
+        compiling = kp.sharded_step(step_fn, shapes, mesh, rules).compile_async(
+            shapes, kp.abstract_batch(mesh, rules, host), LR_ARGS)
         state = kp.init_sharded_state(cfg, mesh, rules, jax.random.key(0), make_state)
-        step = kp.sharded_step(step_fn, state, mesh, rules)
+        assert jax.tree.map(lambda x: x.sharding, state) == kp.shardings_of(shapes)
+        step = compiling.result().run
         put = place or (lambda b: jax.device_put(b, kp.batch_sharding(mesh, rules)))
     losses = []
     for batch in train_batches():

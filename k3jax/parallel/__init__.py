@@ -15,9 +15,17 @@ from k3jax.parallel.sharding import (
                                         shardings_of,
                                         variable_shardings,
 )
-from k3jax.parallel.step import batch_placement, init_sharded_state, sharded_step, under_mesh
+from k3jax.parallel.step import (
+                                        abstract_batch,
+                                        batch_placement,
+                                        init_sharded_state,
+                                        sharded_state_shapes,
+                                        sharded_step,
+                                        under_mesh,
+)
 
-__all__ = ["batch_placement", "batch_sharding", "batch_shards", "check_experts_fit", "constrain",
-           "expert_axis_size", "init_sharded", "init_sharded_state", "initialize_distributed",
-           "local_batch_rows", "logical_to_sharding", "make_global_batch", "make_mesh",
+__all__ = ["abstract_batch", "batch_placement", "batch_sharding", "batch_shards",
+           "check_experts_fit", "constrain", "expert_axis_size", "init_sharded",
+           "init_sharded_state", "initialize_distributed", "local_batch_rows",
+           "logical_to_sharding", "make_global_batch", "make_mesh", "sharded_state_shapes",
            "sharded_step", "shardings_of", "under_mesh", "use_mesh", "variable_shardings"]

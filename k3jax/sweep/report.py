@@ -26,7 +26,7 @@ from k3jax.sweep.fits import (
 from k3jax.sweep.runner import FAILED_FILE, TIMING_FILE, point_status, read_plan, run_dir
 
 COLUMNS = ("name", "variant", "seed", "size", "lr", "n", "n_total", "tokens", "compute", "budget",
-           "steps", "loss", "bpb", "tokens_per_s", "mfu", "wall_s", "compile_s", "overhead",
+           "steps", "loss", "bpb", "tokens_per_s", "mfu", "wall_s", "startup_s", "overhead",
            "status", "error")
 
 
@@ -47,8 +47,9 @@ def collect(root: str | Path) -> list[dict]:
         row["status"] = point_status(root, p)
         records = read_metrics(d) if (d / "metrics.jsonl").is_file() else []
         row["tokens_per_s"], row["mfu"] = _median(records, "tokens_per_s"), _median(records, "mfu")
-        row["compile_s"] = sum(r["first_step_s"] for r in records if r.get("kind") == "compile") \
-            or None
+        # From a launch's start to its first step done (compile included), summed over launches.
+        row["startup_s"] = sum(r["start_to_first_step_s"] for r in records
+                               if r.get("kind") == "compile") or None
         if (d / TIMING_FILE).is_file():
             row["wall_s"] = sum(b - a for a, b in json.loads((d / TIMING_FILE).read_text()))
         if row["status"] == "done":
@@ -243,7 +244,7 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
              (f"Intervals are 95% percentile bootstrap intervals over runs ({resamples} "
              "resamples, within each compute budget)."), "",
              ("| variant | size | N | N_total | D | C | seed | loss | bits/byte | tokens/s | MFU "
-             "| wall s | compile s | overhead | status |"),
+             "| wall s | start-up s | overhead | status |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     num = lambda x, f: "-" if x is None else format(x, f)
     for r in rows:
@@ -251,7 +252,7 @@ def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resampl
                      f"{r['tokens']:,} | {r['compute']:.3g} | {r['seed']} | "
                      f"{num(r['loss'], '.4f')} | {num(r['bpb'], '.4f')} | "
                      f"{num(r['tokens_per_s'], ',.0f')} | {num(r['mfu'], '.1%')} | "
-                     f"{num(r['wall_s'], '.0f')} | {num(r['compile_s'], '.1f')} | "
+                     f"{num(r['wall_s'], '.0f')} | {num(r['startup_s'], '.1f')} | "
                      f"{num(r['overhead'], '.0%')} | {r['status']} |")
     lines += ["", "## Fits", ""]
     for v, entry in fits["variants"].items():

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from k3jax.config.base import ConfigError
 from k3jax.data import make_data
-from k3jax.train.checkpoint import Checkpointer, abstract_like
+from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.memory import check_state_fits
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
@@ -80,12 +80,15 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
 
 def _run_locked(cfg, workdir: Path, data, log) -> dict:
+    t_start = time.time()
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
+        abstract_batch,
         batch_placement,
         check_experts_fit,
         init_sharded_state,
         make_mesh,
+        sharded_state_shapes,
         sharded_step,
         shardings_of,
         under_mesh,
@@ -125,29 +128,37 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     # The run can go on: from here on the workdir changes.
     if first_process:
         (workdir / "config.json").write_text(json.dumps(config, indent=1))
-    # Jitted with out_shardings: parameters and optimiser moments are created already sharded.
-    state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
-                               make_state, (micro, cfg.data.seq_len), variable_axes)
-    state_shardings = shardings_of(state)
-    log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
-        f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
-    if found is not None:
-        # Restoring into the live state's shardings lets every process read only its own shards.
-        state = ckpt.restore(found[0], abstract_like(state))
-        log(f"[checkpoint] resumed from {ckpt.step_path(int(state['step']))}")
-    start = int(state["step"])
-    writer = MetricsWriter(workdir, start, enabled=first_process)
-    past = history(read_metrics(workdir), start) if start else {}
-
     model = K3Model(cfg.model)
-    on_cpu = jax.default_backend() == "cpu"
-    state = jax.device_put(state, state_shardings)  # a restored state: back to the mesh layout
+    sharded_shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables,
+                                           variable_axes)
     train_step = sharded_step(make_train_step(model, cfg.optim, cfg.train.micro_batches,
                                               cfg.model.moe, axes),
-                              state, mesh, rules, donate=not on_cpu)
+                              sharded_shapes, mesh, rules,
+                              donate=jax.default_backend() != "cpu")
     # The schedule's numbers are step data: a run with another learning rate or length loads
     # this run's compiled step from the compilation cache.
     lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), train_step.replicated)
+    start = 0 if found is None else found[0]
+    # XLA compiles the step on a worker thread while the state is created or restored below
+    # (a finished run has no step left to compile).
+    compiling = None if start >= cfg.train.steps else train_step.compile_async(
+        sharded_shapes, abstract_batch(
+            mesh, rules, {k: v for k, v in data.train(start).items() if k in BATCH_KEYS}),
+        lr_args)
+    log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
+        f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
+    if found is None:
+        # Jitted with out_shardings: parameters and optimiser moments are created already sharded.
+        state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
+                                   make_state, (micro, cfg.data.seq_len), variable_axes)
+    else:
+        # Restored straight into the step's shardings (nothing initialised only to be
+        # overwritten): every process reads only its own shards.
+        state = ckpt.restore(found[0], sharded_shapes)
+        log(f"[checkpoint] resumed from {ckpt.step_path(int(state['step']))}")
+        state = jax.device_put(state, shardings_of(sharded_shapes))  # the compiled step's layout
+    writer = MetricsWriter(workdir, start, enabled=first_process)
+    past = history(read_metrics(workdir), start) if start else {}
     eval_step = under_mesh(jax.jit(make_eval_step(model)), mesh, rules)
     place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
@@ -180,18 +191,24 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
             t_call = time.time()
-            state, metrics = train_step(state, place({k: host_batch[k] for k in BATCH_KEYS}),
-                                        lr_args)
+            if step == start:
+                compiled = compiling.result()
+            state, metrics = compiled.run(state, place({k: host_batch[k] for k in BATCH_KEYS}),
+                                          lr_args)
             if pending is not None:
                 _check_finite(pending, cfg.train.max_bad_steps, ckpt)
             pending = (step + 1, metrics)
             done = step + 1
-            if step == start:  # the first step includes compilation: time from its end
+            if step == start:  # the first step waits for the compile: time from its end
                 jax.block_until_ready(metrics["loss"])
                 prog.window_t, prog.window_steps = time.time(), 0
-                first = prog.window_t - t_call
-                writer.write(done, "compile", {"first_step_s": first})
-                log(f"[compile] first train step (compile + one step) took {first:.1f} s")
+                first, since_start = prog.window_t - t_call, prog.window_t - t_start
+                writer.write(done, "compile", {"first_step_s": first,
+                                               "start_to_first_step_s": since_start,
+                                               **compiled.seconds})
+                log(f"[compile] first train step done {since_start:.1f} s after the start; XLA "
+                    f"compiled it in {compiled.seconds['compile_s']:.1f} s while the state was "
+                    f"set up, then the step waited {first:.1f} s")
             else:
                 prog.window_steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
