@@ -62,8 +62,8 @@ class MeshStep:
     """``step_fn(state, batch, *data) -> (state, metrics)`` jitted over ``mesh``: the state keeps
     the shardings it has now (``state`` may be abstract: :func:`sharded_state_shapes`), every batch
     array is split on axis 0 over the batch axes, the rest (the schedule's numbers) is replicated.
-    Call it like the step; :meth:`trace` gives the trace (for compile timing, HLO text, memory
-    analysis); :meth:`compile_async` compiles it on a worker thread."""
+    :meth:`compile_async` compiles it on a worker thread (:class:`CompiledStep`'s ``run`` is then
+    called like the step); :meth:`trace` gives the trace."""
 
     def __init__(self, step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
         state_sh = shardings_of(state)
@@ -73,10 +73,6 @@ class MeshStep:
                               out_shardings=(state_sh, None),
                               donate_argnums=(0,) if donate else ())
         self.mesh, self.rules = mesh, rules
-
-    def __call__(self, state, batch, data):
-        with use_mesh(self.mesh, self.rules):
-            return self.jitted(state, batch, data)
 
     def trace(self, state, batch, data):
         """``jax.jit(...).trace`` under the mesh (``.lower().compile()`` from there)."""
