@@ -90,7 +90,7 @@ def train_losses(dispatch: str, mesh=None, rules=None, place=None):
         compiling = kp.sharded_step(step_fn, shapes, mesh, rules).compile_async(
             shapes, kp.abstract_batch(mesh, rules, host), LR_ARGS)
         state = kp.init_sharded_state(cfg, mesh, rules, jax.random.key(0), make_state)
-        assert jax.tree.map(lambda x: x.sharding, state) == kp.shardings_of(shapes)
+        assert kp.shardings_of(state) == kp.shardings_of(shapes)
         step = compiling.result().run
         put = place or (lambda b: jax.device_put(b, kp.batch_sharding(mesh, rules)))
     losses = []
