@@ -50,18 +50,17 @@ from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
 from k3jax.accounting import count_params, mfu_fn
 from k3jax.config.experiment import apply_overrides, load_config, preset_path
-from k3jax.model import K3Model, abstract_variables_and_axes
+from k3jax.model import abstract_variables_and_axes
 from k3jax.parallel import (
-    abstract_batch,
     batch_placement,
     init_sharded_state,
     make_mesh,
     sharded_state_shapes,
-    sharded_step,
 )
 from k3jax.sweep.ladder import scale_width
-from k3jax.train.optim import build_optimizer, schedule_args
-from k3jax.train.step import BATCH_KEYS, init_state, make_train_step
+from k3jax.train.loop import compile_step_async
+from k3jax.train.optim import build_optimizer
+from k3jax.train.step import init_state
 
 
 def build(cfg):
@@ -78,18 +77,13 @@ def build(cfg):
     def make_state(p, b):
         return init_state(p, b, optimizer, cfg.train.seed)
 
-    shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables, axes)
-    step_fn = make_train_step(K3Model(cfg.model), cfg.optim, cfg.train.micro_batches,
-                              cfg.model.moe, axes["params"])
-    step = sharded_step(step_fn, shapes, mesh, rules, donate=jax.default_backend() != "cpu")
-    lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     rng = np.random.default_rng(0)
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
     host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.zeros((b, t), np.int32), "weights": np.ones((b, t), np.float32)}
-    host = {k: host[k] for k in BATCH_KEYS}
-    compiling = step.compile_async(shapes, abstract_batch(mesh, rules, host), lr_args)
+    shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables, axes)
+    lr_args, compiling = compile_step_async(cfg, mesh, shapes, axes["params"], host)
     t0 = time.perf_counter()
     state = init_sharded_state(cfg.model, mesh, rules, jax.random.PRNGKey(cfg.train.seed),
                                make_state, shape, axes)

@@ -83,13 +83,11 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     t_start = time.time()
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
-        abstract_batch,
         batch_placement,
         check_experts_fit,
         init_sharded_state,
         make_mesh,
         sharded_state_shapes,
-        sharded_step,
         shardings_of,
         under_mesh,
     )
@@ -128,23 +126,14 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     # The run can go on: from here on the workdir changes.
     if first_process:
         (workdir / "config.json").write_text(json.dumps(config, indent=1))
-    model = K3Model(cfg.model)
     sharded_shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables,
                                            variable_axes)
-    train_step = sharded_step(make_train_step(model, cfg.optim, cfg.train.micro_batches,
-                                              cfg.model.moe, axes),
-                              sharded_shapes, mesh, rules,
-                              donate=jax.default_backend() != "cpu")
-    # The schedule's numbers are step data: a run with another learning rate or length loads
-    # this run's compiled step from the compilation cache.
-    lr_args = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), train_step.replicated)
     start = 0 if found is None else found[0]
     # XLA compiles the step on a worker thread while the state is created or restored below
     # (a finished run has no step left to compile).
-    compiling = None if start >= cfg.train.steps else train_step.compile_async(
-        sharded_shapes, abstract_batch(
-            mesh, rules, {k: v for k, v in data.train(start).items() if k in BATCH_KEYS}),
-        lr_args)
+    if start < cfg.train.steps:
+        lr_args, compiling = compile_step_async(cfg, mesh, sharded_shapes, axes,
+                                                data.train(start))
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
     if found is None:
@@ -159,7 +148,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         state = jax.device_put(state, shardings_of(sharded_shapes))  # the compiled step's layout
     writer = MetricsWriter(workdir, start, enabled=first_process)
     past = history(read_metrics(workdir), start) if start else {}
-    eval_step = under_mesh(jax.jit(make_eval_step(model)), mesh, rules)
+    eval_step = under_mesh(jax.jit(make_eval_step(K3Model(cfg.model))), mesh, rules)
     place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
                          cfg.eval.batches, cfg.model.vocab_size)
@@ -236,6 +225,28 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         (workdir / "summary.json").write_text(json.dumps(
             {k: v for k, v in summary.items() if k != "lines"}, indent=1))
     return summary
+
+
+def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: dict):
+    """The train step of ``cfg`` over ``mesh``, as the loop runs it, compiling on a worker thread
+    (:meth:`~k3jax.parallel.step.MeshStep.compile_async`) for the sharded ``state_shapes``
+    (:func:`~k3jax.parallel.step.sharded_state_shapes`) and a batch like ``host_batch`` (extra
+    keys ignored); ``axes``: the parameters' logical axis names.
+
+    Returns ``(schedule, compiling)``: the schedule's numbers, placed for the step (data, so a run
+    with another learning rate or length loads this step from the compilation cache), and a future
+    of :class:`~k3jax.parallel.step.CompiledStep`.
+    """
+    from k3jax.model import K3Model
+    from k3jax.parallel import abstract_batch, sharded_step
+
+    rules = cfg.mesh.rules
+    step = sharded_step(make_train_step(K3Model(cfg.model), cfg.optim, cfg.train.micro_batches,
+                                        cfg.model.moe, axes),
+                        state_shapes, mesh, rules, donate=jax.default_backend() != "cpu")
+    schedule = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
+    batch = abstract_batch(mesh, rules, {k: host_batch[k] for k in BATCH_KEYS})
+    return schedule, step.compile_async(state_shapes, batch, schedule)
 
 
 def _recorded_config(cfg, data) -> dict:
