@@ -201,12 +201,15 @@ def main(argv=None) -> None:
         ap.error(f"--batch {data.batch_size} is not divisible by "
                  f"train.micro_batches={cfg.train.micro_batches}")
 
+    if args.keep_trace and not args.out:
+        ap.error("--keep-trace needs --out")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+
     t0 = time.perf_counter()
     compiled, state, inputs, stages = build(cfg)
     ready_s = time.perf_counter() - t0  # waiting for --serialize-with's lock is not counted
     hlo = stages.pop("hlo")
-    if args.keep_trace and not args.out:
-        ap.error("--keep-trace needs --out")
     with _exclusive(args.serialize_with), \
             tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
         state, first_s = run_steps(compiled, state, inputs, 1)
