@@ -12,6 +12,14 @@ clock. The persistent compilation cache is switched off so every number is a col
 ``step`` is exactly what ``train.py`` jits (``make_train_step`` with ``build_optimizer``), without
 the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
 
+``kernels`` compiles each distinct Pallas kernel of the gradient (name and input shapes; a kernel
+called by several layers compiles once) as a program of its own, one line each, most seconds
+first, then their total: the Mosaic GPU compiles that XLA otherwise runs one after another inside
+the step's compile. Without a GPU each kernel is only lowered for one (``compile_s`` null)::
+
+    {"part": "kernels", "kernel": "kda_scores_bwd", "calls": 18, "compile_s": 3.1,
+     "module_chars": 1370801, "shapes": [[16, 2048, 6, 128], ...]}
+
 ``--phases DIR`` traces each XLA compile with ``jax.profiler`` (into ``DIR/<part>``) and adds, per
 part, the compiler's host events with the most seconds, one line each (events nest, so their
 seconds overlap; ``threads`` > 1 means XLA ran the event on its compile thread pool; Python frames
@@ -26,6 +34,7 @@ are left out)::
     PYTHONPATH=. python benchmarks/compile_time.py --parts grad --set model.kda.impl=chunked
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048 --parts step \
         --optimizers muon --phases /tmp/phases                  # where XLA's compile time goes
+    PYTHONPATH=. python benchmarks/compile_time.py --batch 16 --seq 2048 --parts kernels
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 
 import jax
@@ -102,6 +112,54 @@ def loss_fn(model):
     return loss
 
 
+KERNEL_CALLS = ("pallas_call", "mpmd_map")  # the primitives a Pallas kernel call traces to
+
+
+def kernel_calls(jaxpr) -> list:
+    """Every Pallas kernel call in ``jaxpr`` and the jaxprs nested in it (not inside kernels)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in KERNEL_CALLS:
+            found.append(eqn)
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += kernel_calls(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += kernel_calls(sub)
+    return found
+
+
+def kernel_compiles(cfg, batch: dict) -> list[dict]:
+    """Compile seconds of each distinct kernel of the gradient, compiled alone (most first)."""
+    b, t = batch["tokens"].shape
+    variables = abstract_variables(cfg.model, (b, t))
+    grad = jax.grad(loss_fn(K3Model(cfg.model)))
+    closed = jax.make_jaxpr(grad)(variables["params"], variables.get("balance", {}), batch)
+    distinct: dict[tuple, list] = {}
+    for eqn in kernel_calls(closed.jaxpr):
+        shapes = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
+        distinct.setdefault((str(eqn.params.get("name")), shapes), []).append(eqn)
+    on_gpu = jax.default_backend() == "gpu"
+    rows = []
+    for (name, shapes), eqns in distinct.items():
+        eqn = eqns[0]
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        call = lambda *a, e=eqn: e.primitive.bind(*a, **e.params)  # noqa: E731
+        traced = jax.jit(call).trace(*avals)
+        # Without a GPU the kernel is only lowered for one (a check that it still builds).
+        lowered = traced.lower() if on_gpu else traced.lower(lowering_platforms=("cuda",))
+        t0 = time.perf_counter()
+        if on_gpu:
+            lowered.compile()
+        rows.append({"kernel": name, "calls": len(eqns),
+                     "compile_s": round(time.perf_counter() - t0, 2) if on_gpu else None,
+                     "module_chars": len(lowered.as_text()),  # a rough measure of code size
+                     "shapes": [list(s) for s, _ in shapes]})
+    return sorted(rows, key=lambda r: -(r["compile_s"] or 0.0))
+
+
 def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
             trace_dir: str | None = None) -> dict:
     model = K3Model(cfg.model)
@@ -140,8 +198,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     for p in parts:
-        if p not in ("forward", "grad", "step"):
-            ap.error(f"--parts: unknown part {p!r}; expected forward, grad, step")
+        if p not in ("forward", "grad", "step", "kernels"):
+            ap.error(f"--parts: unknown part {p!r}; expected forward, grad, step, kernels")
     opts = args.optimizers.split(",")
     for o in opts:
         if o not in ("adamw", "muon"):
@@ -153,7 +211,7 @@ def main(argv=None) -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batches=args.micro_batches))
     batch = batch_struct(args.batch, args.seq)
-    jobs = [(p, None) for p in parts if p != "step"]
+    jobs = [(p, None) for p in parts if p not in ("step", "kernels")]
     jobs += [("step", o) for o in opts] if "step" in parts else []
     for part, opt in jobs:
         row = {"part": part, "optimizer": opt, "preset": args.preset, "batch": args.batch,
@@ -171,6 +229,15 @@ def main(argv=None) -> None:
         if trace_dir and "error" not in row:
             for event in compile_phases(trace_dir, args.top):
                 print(json.dumps({"part": part, "optimizer": opt, **event}), flush=True)
+    if "kernels" in parts:
+        rows = kernel_compiles(cfg, batch)
+        for row in rows:
+            print(json.dumps({"part": "kernels", **row}), flush=True)
+        print(json.dumps({"part": "kernels", "kernels": len(rows), "preset": args.preset,
+                          "batch": args.batch, "seq": args.seq, "overrides": args.overrides,
+                          "backend": jax.default_backend(),
+                          "compile_s": round(sum(r["compile_s"] or 0.0 for r in rows), 2)}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,20 @@ def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
     assert whole["n"] == 1 and abs(whole["s"] - row["compile_s"]) < 0.1 * row["compile_s"] + 0.5
 
 
+def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
+    """``--parts kernels`` on the Pallas KDA path: its nine kernels (forward and backward) found
+    in the gradient, each once, and lowered for sm_90 (compiled only where there is a GPU)."""
+    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL[:4],
+                 "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
+                 "--batch", "1", "--seq", "64", "--parts", "kernels"])
+    kernels = {r["kernel"]: r for r in rows if "kernel" in r}
+    assert {"kda_scores_fwd", "kda_scores_bwd", "kda_wy_fwd", "kda_wy_bwd", "kda_state_fwd",
+            "kda_state_bwd"} <= set(kernels), sorted(kernels)
+    assert all(r["calls"] == 1 and r["module_chars"] > 0 for r in kernels.values())
+    (total,) = [r for r in rows if "kernels" in r]
+    assert total["kernels"] == len(kernels)
+
+
 def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
     """The KDA benchmark's JAX path on the CPU (our chunked op at a toy shape), with the profiler
     trace where ``profile_top.py DIR/NAME`` looks for it (a CPU trace has no GPU kernels to sum)."""
