@@ -58,12 +58,12 @@ def make_inputs(b, t, h, d, seed=0):
     return q, k, v, g, beta
 
 
-def time_jax(fn, args):
-    """Median ms per call: 5 batches of 10 calls after the compiling call."""
-    return timed(fn, args, iters=10, repeats=5)
+def time_jax(fn, args, iters: int = 10, repeats: int = 5):
+    """Median ms per call: ``repeats`` batches of ``iters`` calls after the compiling call."""
+    return timed(fn, args, iters=iters, repeats=repeats)
 
 
-def jax_pair(op, args):
+def jax_pair(op, args, iters: int = 10, repeats: int = 5):
     """(fwd ms, fwd+bwd ms) of a JAX ``op(q, k, v, g, beta) -> o``."""
     fwd = jax.jit(op)
 
@@ -71,7 +71,7 @@ def jax_pair(op, args):
         return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32))
 
     fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    return time_jax(fwd, args), time_jax(fb, args)
+    return time_jax(fwd, args, iters, repeats), time_jax(fb, args, iters, repeats)
 
 
 def ours(q, k, v, g, beta):
@@ -175,6 +175,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--breakdown", nargs="?", const="8,4096,16,128", default=None,
                     help="also time our parts separately at this B,T,H,D (default 8,4096,16,128)")
+    ap.add_argument("--iters", type=int, default=10, help="calls per timed batch")
+    ap.add_argument("--repeats", type=int, default=5, help="timed batches (the median is kept)")
     ap.add_argument("--profile", default=None,
                     help="directory for jax.profiler traces of the JAX impls at the first shape")
     a = ap.parse_args(argv)
@@ -216,7 +218,8 @@ def _run(a, shapes, emit) -> dict:
         for shape in shapes:
             args = make_inputs(*shape)
             try:
-                r = jax_pair(JAX_OPS[name], args) if name in JAX_OPS else fla_pair(args)
+                r = (jax_pair(JAX_OPS[name], args, a.iters, a.repeats) if name in JAX_OPS
+                     else fla_pair(args))
                 results[name, shape] = r
             except Exception as e:  # a peer not installed or failing: record why, keep going
                 emit({"impl": name, "shape": list(shape),
