@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from _timing import compile_stages
 from _trace import host_events, trace_files
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 jax.config.update("jax_enable_compilation_cache", False)
 
@@ -124,9 +125,9 @@ def kernel_calls(jaxpr) -> list:
             continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                if isinstance(sub, ClosedJaxpr):
                     found += kernel_calls(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
+                elif isinstance(sub, Jaxpr):
                     found += kernel_calls(sub)
     return found
 
