@@ -13,9 +13,10 @@ clock. The persistent compilation cache is switched off so every number is a col
 the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
 
 ``kernels`` compiles each distinct Pallas kernel of the gradient (name and input shapes; a kernel
-called by several layers compiles once) as a program of its own, one line each, most seconds
-first, then their total: the Mosaic GPU compiles that XLA otherwise runs one after another inside
-the step's compile. Without a GPU each kernel is only lowered for sm_90 (``compile_s`` null)::
+called by several layers compiles once) as a program of its own: the part's line has their number
+(``kernels``) and total ``compile_s``, then one line per kernel, most seconds first. These are the
+Mosaic GPU compiles that XLA otherwise runs one after another inside the step's compile. Without
+a GPU each kernel is only lowered for sm_90 (``compile_s`` null)::
 
     {"part": "kernels", "kernel": "kda_scores_bwd", "calls": 9, "compile_s": 2.73,
      "module_chars": 1603015, "shapes": [[16, 2048, 6, 128], ...]}
@@ -132,12 +133,17 @@ def kernel_calls(jaxpr) -> list:
     return found
 
 
-def kernel_compiles(cfg, batch: dict) -> list[dict]:
-    """Compile seconds of each distinct kernel of the gradient, compiled alone (most first)."""
+def loss_and_args(cfg, batch: dict):
+    """:func:`loss_fn` of ``cfg``'s model and its abstract ``(params, balance, batch)``."""
     b, t = batch["tokens"].shape
     variables = abstract_variables(cfg.model, (b, t))
-    grad = jax.grad(loss_fn(K3Model(cfg.model)))
-    closed = jax.make_jaxpr(grad)(variables["params"], variables.get("balance", {}), batch)
+    return loss_fn(K3Model(cfg.model)), (variables["params"], variables.get("balance", {}), batch)
+
+
+def kernel_compiles(cfg, batch: dict) -> list[dict]:
+    """Compile seconds of each distinct kernel of the gradient, compiled alone (most first)."""
+    loss, args = loss_and_args(cfg, batch)
+    closed = jax.make_jaxpr(jax.grad(loss))(*args)
     distinct: dict[tuple, list] = {}
     for eqn in kernel_calls(closed.jaxpr):
         shapes = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
@@ -163,21 +169,19 @@ def kernel_compiles(cfg, batch: dict) -> list[dict]:
 
 def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
             trace_dir: str | None = None) -> dict:
-    model = K3Model(cfg.model)
-    b, t = batch["tokens"].shape
-    variables = abstract_variables(cfg.model, (b, t))
-    params, balance = variables["params"], variables.get("balance", {})
-    loss = loss_fn(model)
+    loss, args = loss_and_args(cfg, batch)
+    params, balance, _ = args
     if part == "forward":
-        return timed_compile(loss, params, balance, batch, trace_dir=trace_dir)
+        return timed_compile(loss, *args, trace_dir=trace_dir)
     if part == "grad":
-        return timed_compile(jax.grad(loss), params, balance, batch, trace_dir=trace_dir)
+        return timed_compile(jax.grad(loss), *args, trace_dir=trace_dir)
     optim = dataclasses.replace(cfg.optim, name=optimizer_name)
-    axes = logical_axes(cfg.model, (b, t))["params"]
+    axes = logical_axes(cfg.model, batch["tokens"].shape)["params"]
     optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
     state = jax.eval_shape(lambda p, bal: init_state(p, bal, optimizer, cfg.train.seed),
                            params, balance)
-    step = make_train_step(model, optim, cfg.train.micro_batches, cfg.model.moe, axes)
+    step = make_train_step(K3Model(cfg.model), optim, cfg.train.micro_batches, cfg.model.moe,
+                           axes)
     return timed_compile(step, state, batch, schedule_args(optim, cfg.train.steps),
                          trace_dir=trace_dir)
 
@@ -212,37 +216,34 @@ def main(argv=None) -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batches=args.micro_batches))
     batch = batch_struct(args.batch, args.seq)
-    jobs = [(p, None) for p in parts if p not in ("step", "kernels")]
+    jobs = [(p, None) for p in parts if p != "step"]
     jobs += [("step", o) for o in opts] if "step" in parts else []
     for part, opt in jobs:
         row = {"part": part, "optimizer": opt, "preset": args.preset, "batch": args.batch,
                "seq": args.seq, "micro_batches": cfg.train.micro_batches,
                "overrides": args.overrides,
                "backend": jax.default_backend()}
+        # Each kernel compiles as its own program: there is no one compile to profile.
         trace_dir = (os.path.join(args.phases, part if opt is None else f"{part}_{opt}")
-                     if args.phases else None)
+                     if args.phases and part != "kernels" else None)
+        kernels = []
         try:
-            row.update(measure(part, cfg, batch, opt, trace_dir))
+            if part == "kernels":
+                kernels = kernel_compiles(cfg, batch)
+                seconds = [k["compile_s"] for k in kernels]
+                row.update(kernels=len(kernels), compile_s=None if None in seconds
+                           else round(sum(seconds), 2))
+            else:
+                row.update(measure(part, cfg, batch, opt, trace_dir))
         except Exception as e:  # noqa: BLE001 - report and go on with the other parts
             traceback.print_exc(file=sys.stderr)
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         print(json.dumps(row), flush=True)
+        for kernel in kernels:
+            print(json.dumps({"part": part, **kernel}), flush=True)
         if trace_dir and "error" not in row:
             for event in compile_phases(trace_dir, args.top):
                 print(json.dumps({"part": part, "optimizer": opt, **event}), flush=True)
-    if "kernels" in parts:
-        total = {"part": "kernels", "preset": args.preset, "batch": args.batch, "seq": args.seq,
-                 "overrides": args.overrides, "backend": jax.default_backend()}
-        try:
-            rows = kernel_compiles(cfg, batch)
-        except Exception as e:  # noqa: BLE001 - report like the other parts
-            traceback.print_exc(file=sys.stderr)
-            rows, total["error"] = [], f"{type(e).__name__}: {e}"[:500]
-        for row in rows:
-            print(json.dumps({"part": "kernels", **row}), flush=True)
-        total.update(kernels=len(rows),
-                     compile_s=round(sum(r["compile_s"] or 0.0 for r in rows), 2))
-        print(json.dumps(total), flush=True)
 
 
 if __name__ == "__main__":
