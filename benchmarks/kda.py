@@ -111,7 +111,7 @@ def fla_pair(args):
 JAX_OPS = {"ours_pallas": ours, "ours_chunked_jax": chunked, "jla": jla_kda}
 
 
-def breakdown(args):
+def breakdown(args, iters: int = 10, repeats: int = 5):
     """Split our forward+backward into the token-parallel part and the two state kernels (ms)."""
     from pallas_kernels._mgpu import CHUNK
     from pallas_kernels.kda_prep import prepare
@@ -130,10 +130,11 @@ def breakdown(args):
     bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=CHUNK))
     bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, o, fin)
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
-    return {"prep_fwd_ms": time_jax(jax.jit(prep), args),
-            "state_fwd_kernel_ms": time_jax(fwd_k, kin),
-            "state_bwd_kernel_ms": time_jax(bwd_k, bin_),
-            "prep_fwd_plus_vjp_ms": time_jax(prep_vjp, args)}
+    timed_ms = lambda fn, a: time_jax(fn, a, iters, repeats)  # noqa: E731
+    return {"prep_fwd_ms": timed_ms(jax.jit(prep), args),
+            "state_fwd_kernel_ms": timed_ms(fwd_k, kin),
+            "state_bwd_kernel_ms": timed_ms(bwd_k, bin_),
+            "prep_fwd_plus_vjp_ms": timed_ms(prep_vjp, args)}
 
 
 def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
@@ -202,7 +203,7 @@ def _run(a, shapes, emit) -> dict:
         shape = tuple(int(x) for x in a.breakdown.split(","))
         try:
             emit({"impl": "ours_pallas_parts", "shape": list(shape),
-                  **breakdown(make_inputs(*shape))})
+                  **breakdown(make_inputs(*shape), a.iters, a.repeats)})
         except Exception as e:
             emit({"impl": "ours_pallas_parts", "shape": list(shape),
                   "error": f"{type(e).__name__}: {e}"[:300]})
