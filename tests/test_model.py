@@ -5,6 +5,7 @@ Each config is initialised by one compiled initialiser (any seed) and run throug
 forward per input signature, shared by the tests, so the module compiles few programs.
 """
 
+import collections
 import functools
 import importlib
 
@@ -115,6 +116,19 @@ def test_remat_gives_the_same_values_and_gradients():
         np.testing.assert_allclose(l0, l1, rtol=1e-6, err_msg=policy)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             assert rel_rms(a, b) < FP32_TOL, policy
+
+
+def test_applying_traces_each_kind_of_layer_once():
+    """Applied (not initialised), every mixer and FFN runs under flax's lifted jit: the three
+    unrolled KDA layers call one traced function, the four dense FFNs another and the MLA layer a
+    third, so jax traces, differentiates and lowers each kind once. (The numbers are those of the
+    other tests: every model test runs the lifted layers.)"""
+    cfg = small_config(scan_layers=False)  # kda, kda, kda, mla; dense FFNs
+    variables = abstract_variables(cfg)
+    jaxpr = jax.make_jaxpr(lambda v: _apply(cfg, v, _tokens()))(variables)
+    traces = collections.Counter(id(e.params["jaxpr"]) for e in jaxpr.jaxpr.eqns
+                                 if e.params.get("name") == "core_fn")  # flax's lifted function
+    assert sorted(traces.values()) == [1, 3, 4], traces
 
 
 def test_bad_tokens_are_rejected_before_tracing():

@@ -1,10 +1,17 @@
 """One decoder layer, built from three parts: a token mixer, an FFN and a residual rule.
 
 New variants register here (``MIXERS``/``FFNS``) instead of editing the layer.
+
+When a model is applied (not initialised), the mixer and the FFN run under flax's lifted ``jit``:
+layers of one kind and shape then share one trace, so jax traces, differentiates and lowers each
+kind of mixer and FFN once instead of once per layer; XLA inlines the calls before it optimises.
+Initialisation stays unlifted: the lifted transform derives the parameters' random streams
+differently, so a seed would give other weights.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -17,17 +24,27 @@ from k3jax.layers.mla import MLALayer
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.residual import make_residual
 
+Lift = Callable[[type[nn.Module]], type[nn.Module]]  # a transform of a module class
 
-def _moe_ffn(cfg: ModelConfig) -> nn.Module:
+
+def _moe_ffn(cfg: ModelConfig, lift: Lift) -> nn.Module:
     from k3jax.layers.moe import MoEBlock  # the MoE pulls in routing and dispatch only when used
-    return MoEBlock(cfg, name="ffn")
+    return lift(MoEBlock)(cfg, name="ffn")
 
 
-MIXERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
-    "kda": lambda cfg: KDALayer(cfg, name="mixer"),
-    "mla": lambda cfg: MLALayer(cfg, name="mixer"),
+MIXERS: dict[str, Callable[[ModelConfig, Lift], nn.Module]] = {
+    "kda": lambda cfg, lift: lift(KDALayer)(cfg, name="mixer"),
+    "mla": lambda cfg, lift: lift(MLALayer)(cfg, name="mixer"),
 }
-FFNS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": dense_ffn, "moe": _moe_ffn}
+FFNS: dict[str, Callable[[ModelConfig, Lift], nn.Module]] = {"dense": dense_ffn, "moe": _moe_ffn}
+
+# One lifted class per module class, so every layer's call goes through one ``jax.jit`` cache.
+_jit_mixer = functools.cache(nn.jit)
+_jit_ffn = functools.cache(functools.partial(nn.jit, static_argnames=("deterministic",)))
+
+
+def _unlifted(cls: type[nn.Module]) -> type[nn.Module]:
+    return cls
 
 
 class DecoderLayer(nn.Module):
@@ -52,8 +69,9 @@ class DecoderLayer(nn.Module):
         norm_mixer = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_mixer")
         norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
 
+        applying = not self.is_initializing()
         h = res_mixer.read(state, j)
-        mixer = MIXERS[self.mixer](cfg)
+        mixer = MIXERS[self.mixer](cfg, _jit_mixer if applying and cache is None else _unlifted)
         # The mixer's kind in the name stack: a profile can tell KDA ops from MLA ops (both
         # modules are named "mixer"), likewise for the FFN.
         with jax.named_scope(self.mixer):
@@ -65,6 +83,7 @@ class DecoderLayer(nn.Module):
 
         h = res_ffn.read(state, j + 1)
         with jax.named_scope(self.ffn):
-            out = FFNS[self.ffn](cfg)(norm_ffn(h), deterministic=deterministic)
+            ffn = FFNS[self.ffn](cfg, _jit_ffn if applying else _unlifted)
+            out = ffn(norm_ffn(h), deterministic=deterministic)
         state = res_ffn.write(state, out, j + 1)
         return state if cache is None else (state, cache)

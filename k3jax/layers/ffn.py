@@ -38,8 +38,9 @@ class GLUMLP(nn.Module):
         return h @ w_down.astype(cdt)
 
 
-def dense_ffn(cfg) -> GLUMLP:
-    """The dense FFN of a :class:`~k3jax.config.ModelConfig` (layers ``< first_k_dense``)."""
+def dense_ffn(cfg, lift) -> GLUMLP:
+    """The dense FFN of a :class:`~k3jax.config.ModelConfig` (layers ``< first_k_dense``);
+    ``lift`` transforms the module class (see :mod:`k3jax.layers.decoder`)."""
     f = cfg.dense_ffn
-    return GLUMLP(cfg.d_model, f.intermediate_size, f.activation, f.situ_beta_gate, f.situ_beta_up,
-                  cfg.init_std, cfg.dtype, cfg.param_dtype, name="ffn")
+    return lift(GLUMLP)(cfg.d_model, f.intermediate_size, f.activation, f.situ_beta_gate,
+                        f.situ_beta_up, cfg.init_std, cfg.dtype, cfg.param_dtype, name="ffn")
