@@ -39,8 +39,10 @@ MIXERS: dict[str, Callable[[ModelConfig, Lift], nn.Module]] = {
 FFNS: dict[str, Callable[[ModelConfig, Lift], nn.Module]] = {"dense": dense_ffn, "moe": _moe_ffn}
 
 # One lifted class per module class, so every layer's call goes through one ``jax.jit`` cache.
-_jit_mixer = functools.cache(nn.jit)
-_jit_ffn = functools.cache(functools.partial(nn.jit, static_argnames=("deterministic",)))
+# The Python flags of the calls are static: the FFNs' ``deterministic``, and ``return_cache`` of a
+# mixer continuing a cache (prefill, decode).
+_traced_once = functools.cache(
+    functools.partial(nn.jit, static_argnames=("deterministic", "return_cache")))
 
 
 def _unlifted(cls: type[nn.Module]) -> type[nn.Module]:
@@ -69,9 +71,9 @@ class DecoderLayer(nn.Module):
         norm_mixer = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_mixer")
         norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
 
-        applying = not self.is_initializing()
+        lift = _unlifted if self.is_initializing() else _traced_once
         h = res_mixer.read(state, j)
-        mixer = MIXERS[self.mixer](cfg, _jit_mixer if applying and cache is None else _unlifted)
+        mixer = MIXERS[self.mixer](cfg, lift)
         # The mixer's kind in the name stack: a profile can tell KDA ops from MLA ops (both
         # modules are named "mixer"), likewise for the FFN.
         with jax.named_scope(self.mixer):
@@ -83,7 +85,7 @@ class DecoderLayer(nn.Module):
 
         h = res_ffn.read(state, j + 1)
         with jax.named_scope(self.ffn):
-            ffn = FFNS[self.ffn](cfg, _jit_ffn if applying else _unlifted)
+            ffn = FFNS[self.ffn](cfg, lift)
             out = ffn(norm_ffn(h), deterministic=deterministic)
         state = res_ffn.write(state, out, j + 1)
         return state if cache is None else (state, cache)

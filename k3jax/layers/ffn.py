@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ class GLUMLP(nn.Module):
         return h @ w_down.astype(cdt)
 
 
-def dense_ffn(cfg, lift) -> GLUMLP:
+def dense_ffn(cfg, lift: Callable[[type[nn.Module]], type[nn.Module]]) -> GLUMLP:
     """The dense FFN of a :class:`~k3jax.config.ModelConfig` (layers ``< first_k_dense``);
     ``lift`` transforms the module class (see :mod:`k3jax.layers.decoder`)."""
     f = cfg.dense_ffn
