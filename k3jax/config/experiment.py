@@ -66,6 +66,9 @@ class OptimConfig:
     Schedules: ``wsd`` (linear warmup, stable, linear decay over the last ``decay_fraction`` of the
     steps to ``min_lr_ratio * lr``), ``cosine`` (warmup then cosine to ``min_lr_ratio * lr``) or
     ``constant`` (warmup then flat).
+
+    ``muon_ns_dtype``: the dtype of Muon's Newton-Schulz iterations, bf16 as in Muon's and
+    Moonlight's reference code, or fp32 as in ``optax.contrib.muon``.
     """
 
     name: Literal["adamw", "muon"] = "adamw"
@@ -80,6 +83,7 @@ class OptimConfig:
     eps: float = 1e-8
     clip_norm: float | None = 1.0
     muon_consistent_rms: float = 0.2
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def __post_init__(self):
         check_literals(self)

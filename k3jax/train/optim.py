@@ -14,7 +14,9 @@ Muon here is :func:`grouped_muon`: the same update as ``optax.contrib.muon`` (Ne
 Frobenius-normalised quintic Newton-Schulz, shape scaling, decoupled weight decay), but the
 matrices of equal (transposed-to-wide) shape are stacked and orthogonalised by one batched
 Newton-Schulz loop. optax runs one loop per parameter (~125 for k3_small), and XLA compiles each
-of them separately; stacked, the train step holds a handful.
+of them separately; stacked, the train step holds a handful. The Newton-Schulz iterations run in
+bf16 by default, as in Muon's and Moonlight's reference code (Jordan et al. 2024; Liu et al. 2025,
+"Muon is Scalable for LLM Training"); ``ns_dtype=float32`` gives optax's fp32 iterations.
 """
 
 from __future__ import annotations
@@ -122,11 +124,13 @@ def _to_wide(x, dims):
 
 
 def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-8, unroll: bool = True,
-                  coeffs=NS_COEFFS) -> jax.Array:
+                  coeffs=NS_COEFFS, dtype=None) -> jax.Array:
     """Approximate orthogonalisation of each ``[m, n]`` matrix of ``x [b, m, n]`` (m <= n best):
-    Frobenius-normalise, then ``steps`` quintic iterations X <- aX + (bA + cA^2)X, A = XX^T."""
-    a, b, c = (jnp.asarray(k, x.dtype) for k in coeffs)
-    x = x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + eps)
+    Frobenius-normalise (in ``x``'s dtype), then ``steps`` quintic iterations
+    X <- aX + (bA + cA^2)X, A = XX^T, in ``dtype`` (default ``x``'s); returned in ``dtype``."""
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    a, b, c = (jnp.asarray(k, dtype) for k in coeffs)
+    x = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + eps)).astype(dtype)
 
     def step(_, x):
         gram = jnp.einsum("bij,bkj->bik", x, x)
@@ -137,10 +141,11 @@ def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-8, unroll: bool 
 
 
 def orthogonalize_grouped(tree, dims_tree, steps: int = 5, eps: float = 1e-8,
-                          unroll: bool = True):
+                          unroll: bool = True, ns_dtype=None):
     """Newton-Schulz of every leaf of ``tree`` (matrices per ``dims_tree``, a tree of
     ``MuonDimensionNumbers`` matching ``tree``'s leaves), one batched loop per distinct
-    ``(m, n, dtype)``: same-shaped matrices are concatenated along the batch axis."""
+    ``(m, n, dtype)``: same-shaped matrices are concatenated along the batch axis. The iterations
+    run in ``ns_dtype`` (default: the leaves'); every leaf comes back in its own dtype."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(dims_tree)
     wide = [_to_wide(x, d) for x, d in zip(leaves, dims)]
@@ -150,7 +155,7 @@ def orthogonalize_grouped(tree, dims_tree, steps: int = 5, eps: float = 1e-8,
     out = [None] * len(leaves)
     for idx in groups.values():
         stacked = jnp.concatenate([wide[i][0] for i in idx]) if len(idx) > 1 else wide[idx[0]][0]
-        done = newton_schulz(stacked, steps, eps, unroll)
+        done = newton_schulz(stacked, steps, eps, unroll, dtype=ns_dtype).astype(stacked.dtype)
         ends = list(itertools.accumulate(wide[i][0].shape[0] for i in idx))
         for i, part in zip(idx, jnp.split(done, ends[:-1])):
             out[i] = wide[i][1](part)
@@ -169,10 +174,11 @@ def _shape_scale(x, dims, consistent_rms: float | None) -> float:
 
 def scale_by_grouped_muon(dims_fn, beta: float = 0.95, eps: float = 1e-8, ns_steps: int = 5,
                           consistent_rms: float | None = None, unroll: bool = True,
-                          ) -> optax.GradientTransformation:
+                          ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
     """Nesterov momentum (bias-corrected), orthogonalised and shape-scaled, as
     ``optax.contrib.scale_by_muon`` followed by its ``scale_by_shape``. ``dims_fn(updates)`` gives
-    the ``MuonDimensionNumbers`` of every leaf."""
+    the ``MuonDimensionNumbers`` of every leaf; the Newton-Schulz iterations run in
+    ``ns_dtype``."""
 
     def init(params):
         return MuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
@@ -185,7 +191,7 @@ def scale_by_grouped_muon(dims_fn, beta: float = 0.95, eps: float = 1e-8, ns_ste
                               optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                               optax.tree.bias_correction(updates, beta, count))
         dims = dims_fn(updates)
-        ortho = orthogonalize_grouped(mu_hat, dims, ns_steps, eps, unroll)
+        ortho = orthogonalize_grouped(mu_hat, dims, ns_steps, eps, unroll, ns_dtype)
         leaves, treedef = jax.tree.flatten(ortho)
         scaled = [x * _shape_scale(x, d, consistent_rms)
                   for x, d in zip(leaves, treedef.flatten_up_to(dims))]
@@ -196,11 +202,12 @@ def scale_by_grouped_muon(dims_fn, beta: float = 0.95, eps: float = 1e-8, ns_ste
 
 def grouped_muon(learning_rate, beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                  dims_fn=None, consistent_rms: float | None = None, ns_steps: int = 5,
-                 unroll: bool = True) -> optax.GradientTransformation:
+                 unroll: bool = True, ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
     """Muon for parameters that are all matrices (``dims_fn`` gives their dimension numbers):
-    ``optax.contrib.muon`` without its AdamW branch, orthogonalising by shape group."""
+    ``optax.contrib.muon`` without its AdamW branch, orthogonalising by shape group, with the
+    Newton-Schulz iterations in ``ns_dtype`` (``float32``: optax's)."""
     return optax.chain(
-        scale_by_grouped_muon(dims_fn, beta, eps, ns_steps, consistent_rms, unroll),
+        scale_by_grouped_muon(dims_fn, beta, eps, ns_steps, consistent_rms, unroll, ns_dtype),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
 
@@ -295,7 +302,7 @@ def build_optimizer(cfg, total_steps: int | None, params, axes=None,
         # run-time cost is a few loop iterations per step.
         matrices = grouped_muon(lr, beta=cfg.b1, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                 dims_fn=dims_of, consistent_rms=cfg.muon_consistent_rms,
-                                unroll=False)
+                                unroll=False, ns_dtype=jnp.dtype(cfg.muon_ns_dtype))
         core = optax.partition({"muon": matrices, "adam": adamw}, labels)
     if cfg.clip_norm is None:
         return core
