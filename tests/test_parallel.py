@@ -1,8 +1,9 @@
 """Mesh, rules table, sharded initialisation and sharded training on 8 simulated CPU devices.
 
-The training test runs a few AdamW steps of a tiny MoE model (Quantile Balancing on) on a
-(data 2, expert 4) mesh with the all-to-all dispatch and on one device with the ragged dispatch:
-losses, parameters and router biases agree to fp32 round-off. :func:`tiny_moe_config` is also the
+The training test runs a few AdamW steps of a tiny MoE model (Quantile Balancing on) on each
+recommended layout of 8 devices (data x expert, fsdp x expert, fsdp alone; the all-to-all dispatch
+where experts are split) and on one device with the ragged dispatch: losses, parameters and router
+biases agree to fp32 round-off. :func:`tiny_moe_config` is also the
 model of the two-process ``train.py`` test in ``test_distributed_train.py``.
 """
 
@@ -172,20 +173,39 @@ def test_init_sharded_layout_and_memory():
 
 # -- sharded training ----------------------------------------------------------------------------
 
-def test_training_on_data2_expert4_equals_one_device():
+def _split_axes(x) -> set[str]:
+    """The mesh axes of more than one device that ``x``'s sharding splits it over."""
+    named = {a for axes in x.sharding.spec if axes
+             for a in ((axes,) if isinstance(axes, str) else axes)}
+    return {a for a in named if x.sharding.mesh.shape[a] > 1}
+
+
+# The layouts the docs recommend on one 8-GPU host: data x expert (the model fits one device),
+# fsdp x expert (it does not), fsdp alone (a dense or few-expert model).
+LAYOUTS = {"data2_expert4": MeshConfig(data=2, expert=4),
+           "fsdp2_expert4": MeshConfig(data=1, fsdp=2, expert=4),
+           "fsdp8": MeshConfig(data=1, fsdp=8)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_training_equals_one_device(layout):
+    cfg = LAYOUTS[layout]
     ref_losses, ref_state = train_losses("ragged")
-    cfg = MeshConfig(data=2, expert=4)
-    losses, state = train_losses("all_to_all", kp.make_mesh(cfg), cfg.rules)
+    dispatch = "all_to_all" if cfg.expert > 1 else "ragged"
+    losses, state = train_losses(dispatch, kp.make_mesh(cfg), cfg.rules)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert ref_losses[-1] < ref_losses[0]                              # it does train
     for a, b in zip(jax.tree.leaves(ref_state["params"]), jax.tree.leaves(state["params"])):
         assert rel_rms(a, b) <= FP32_TOL
     for a, b in zip(jax.tree.leaves(ref_state["balance"]), jax.tree.leaves(state["balance"])):
         assert rel_rms(a, b) <= FP32_TOL
-    moments = state["opt_state"]
-    gate_mu = [x for p, x in jax.tree_util.tree_flatten_with_path(moments)[0]
-               if "expert_gate" in jax.tree_util.keystr(p)]
-    assert gate_mu and all(x.sharding.spec == P("expert", None, "tensor") for x in gate_mu)
+    moments = jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
+    gate_mu = [x for p, x in moments if "expert_gate" in jax.tree_util.keystr(p)]
+    assert gate_mu
+    for x in gate_mu:  # the optimiser's moments are laid out as their parameters
+        assert ("expert" in _split_axes(x)) == (cfg.expert > 1), x.sharding.spec
+    split = [x for x in jax.tree.leaves(state["params"]) if "fsdp" in _split_axes(x)]
+    assert bool(split) == (cfg.fsdp > 1)
 
 
 @pytest.mark.parametrize("balancing", ["quantile_hist", "quantile"])
