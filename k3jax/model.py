@@ -89,7 +89,11 @@ class K3Model(nn.Module):
         _check_tokens(tokens, segment_ids, cfg.vocab_size)
         table = self.param("embedding", normal(cfg.init_std, ("vocab", "embed")),
                            (cfg.vocab_size, cfg.d_model), pdt)
-        x = constrain(jnp.take(table, tokens, axis=0).astype(cdt), ACTIVATION_AXES)
+        # Materialised once: otherwise XLA fuses the fp32 table's gather into each of its
+        # consumers (every AttnRes read and the norms after them), which reread it at twice the
+        # bytes of the compute-dtype embedding.
+        x = jax.lax.optimization_barrier(jnp.take(table, tokens, axis=0).astype(cdt))
+        x = constrain(x, ACTIVATION_AXES)
         state = initial_state(cfg, x)
 
         new_caches = None if caches is None else {}

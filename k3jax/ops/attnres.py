@@ -117,7 +117,10 @@ def _mix_forward(eps, sources, valid, w, g):
     e = jnp.exp(jnp.where(mask, s, -jnp.inf) - jnp.max(jnp.where(mask, s, -jnp.inf), axis=0))
     alpha = e / jnp.sum(e, axis=0)                                         # masked: exactly 0
     h = sum(alpha[i][..., None] * v.astype(_F32) for i, v in enumerate(sources))
-    return h.astype(sources[-1].dtype), alpha, (s, r, mask)
+    # Materialised once: otherwise XLA fuses the weighted sum into each consumer of h (the norm
+    # after the read, forward and backward), which then rereads every source.
+    h = jax.lax.optimization_barrier(h.astype(sources[-1].dtype))
+    return h, alpha, (s, r, mask)
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(0,))
