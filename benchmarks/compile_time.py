@@ -9,8 +9,9 @@ JSON lines, one per measured function::
 Nothing is allocated or run: every function is traced from ``jax.ShapeDtypeStruct`` inputs, then
 lowered and compiled (``jit(f).trace(...).lower().compile()``), each stage timed with the host
 clock. The persistent compilation cache is switched off so every number is a cold compile.
-``step`` is exactly what ``train.py`` jits (``make_train_step`` with ``build_optimizer``), without
-the mesh wrapper. A part that fails prints an ``error`` line and the rest continues.
+``step`` is ``train.py``'s step (``make_train_step`` with ``build_optimizer``) jitted as one
+program, without the mesh wrapper; the training loop compiles its gradient and update parts as two
+programs side by side, which ``step_profile.py`` times. A part that fails prints an ``error`` line and the rest continues.
 
 ``kernels`` compiles each distinct Pallas kernel of the gradient (name and input shapes; a kernel
 called by several layers compiles once) as a program of its own: the part's line has their number

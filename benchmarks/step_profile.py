@@ -90,10 +90,10 @@ def build(cfg):
     jax.block_until_ready(state)
     setup_s = time.perf_counter() - t0
     compiled = compiling.result()
-    mem = compiled.run.memory_analysis()
+    temp = compiled.temp_bytes()
     stages = {**{k: round(v, 2) for k, v in compiled.seconds.items()}, "setup_s": round(setup_s, 2),
-              "temp_GiB": None if mem is None else round(mem.temp_size_in_bytes / 2**30, 2),
-              "hlo": compiled.run.as_text()}
+              "temp_GiB": None if temp is None else round(temp / 2**30, 2),
+              "hlo": compiled.as_text()}
     batch = batch_placement(mesh, rules, b)(host)
     return compiled.run, state, (batch, lr_args), stages
 

@@ -59,62 +59,89 @@ def _state_shapes(make_state, params, balance, param_shardings, mesh: Mesh) -> d
 
 
 class MeshStep:
-    """``step_fn(state, batch, *data) -> (state, metrics)`` jitted over ``mesh``: the state keeps
-    the shardings it has now (``state`` may be abstract: :func:`sharded_state_shapes`), every batch
-    array is split on axis 0 over the batch axes, the rest (the schedule's numbers) is replicated.
-    :meth:`compile_async` compiles it on a worker thread (:class:`CompiledStep`'s ``run`` is then
-    called like the step); :meth:`trace` gives the trace."""
+    """A train step (``step.gradients`` and ``step.update``, a
+    :class:`~k3jax.train.step.TrainStep`) jitted over ``mesh`` as two programs: the state keeps the
+    shardings it has now (``state`` may be abstract: :func:`sharded_state_shapes`), the gradients
+    take the parameters' shardings, every batch array is split on axis 0 over the batch axes, the
+    rest (the schedule's numbers, the step's sums) is replicated. :meth:`compile_async` compiles
+    both on worker threads (:class:`CompiledStep`'s ``run`` is then called like the step).
 
-    def __init__(self, step_fn: Callable, state: dict, mesh: Mesh, rules, donate: bool = False):
+    Two programs because XLA compiles them side by side: ``k3_small``'s whole step took 80 s to
+    compile on an H200, its gradient part alone 50 s and the update 20 s, and the two at once
+    55 s. The gradients cross in memory between them, as they did inside the one program.
+    """
+
+    def __init__(self, step, state: dict, mesh: Mesh, rules, donate: bool = False):
         state_sh = shardings_of(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh, rules),
-                                                     self.replicated),
-                              out_shardings=(state_sh, None),
-                              donate_argnums=(0,) if donate else ())
+        grads_sh = (state_sh["params"], self.replicated)
+        self.parts = (
+            jax.jit(step.gradients, in_shardings=(state_sh, batch_sharding(mesh, rules)),
+                    out_shardings=grads_sh),
+            jax.jit(step.update, in_shardings=(state_sh, *grads_sh, self.replicated),
+                    out_shardings=(state_sh, None), donate_argnums=(0, 1) if donate else ()))
         self.mesh, self.rules = mesh, rules
 
-    def trace(self, state, batch, data):
-        """``jax.jit(...).trace`` under the mesh (``.lower().compile()`` from there)."""
+    def lower(self, state, batch, data) -> tuple[list[jax.stages.Lowered], dict[str, float]]:
+        """Both programs traced, then lowered, under the mesh for these (abstract) arguments;
+        with the seconds of the two stages (``trace_s``, ``lower_s``)."""
+        gradients, update = self.parts
         with use_mesh(self.mesh, self.rules):
-            return self.jitted.trace(state, batch, data)
+            t0 = time.perf_counter()
+            traced_grads = gradients.trace(state, batch)
+            traced = [traced_grads, update.trace(state, *traced_grads.out_info, data)]
+            t1 = time.perf_counter()
+            lowered = [t.lower() for t in traced]
+        return lowered, {"trace_s": t1 - t0, "lower_s": time.perf_counter() - t1}
 
     def compile_async(self, state, batch, data) -> Future:
         """The step compiled for these (abstract) arguments: a future of :class:`CompiledStep`.
 
         Traced and lowered on this thread (lowering reads jax's global config, which the caller
-        may change next, e.g. while initialising), then compiled by XLA on a worker thread: the
-        program a call would compile, while the caller sets up the state.
+        may change next, e.g. while initialising), then compiled by XLA on two worker threads, one
+        per program, while the caller sets up the state.
         """
+        lowered, seconds = self.lower(state, batch, data)
         t0 = time.perf_counter()
-        traced = self.trace(state, batch, data)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        seconds = {"trace_s": t1 - t0, "lower_s": time.perf_counter() - t1}
+        pool = ThreadPoolExecutor(len(lowered) + 1, thread_name_prefix="compile-step")
+        parts = [pool.submit(lo.compile) for lo in lowered]
 
-        def compile_step() -> CompiledStep:
-            t = time.perf_counter()
-            run = lowered.compile()
-            return CompiledStep(run, {**seconds, "compile_s": time.perf_counter() - t})
+        def join() -> CompiledStep:
+            compiled = tuple(part.result() for part in parts)
+            return CompiledStep(compiled, {**seconds, "compile_s": time.perf_counter() - t0})
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="compile-step")
-        compiled = pool.submit(compile_step)
-        pool.shutdown(wait=False)  # the worker ends with the compile; nothing else is queued
-        return compiled
+        done = pool.submit(join)
+        pool.shutdown(wait=False)  # the workers end with the compiles; nothing else is queued
+        return done
 
 
 class CompiledStep(NamedTuple):
-    """:meth:`MeshStep.compile_async`'s result: ``run(state, batch, data)`` is the compiled step;
-    ``seconds`` its ``trace_s``, ``lower_s`` and (XLA, on the worker thread) ``compile_s``."""
+    """:meth:`MeshStep.compile_async`'s result: the compiled gradient and update programs and
+    ``seconds``: ``trace_s`` and ``lower_s`` (both programs, on the caller's thread) and
+    ``compile_s`` (XLA, from the workers' start until both are done)."""
 
-    run: jax.stages.Compiled
+    parts: tuple[jax.stages.Compiled, jax.stages.Compiled]
     seconds: dict[str, float]
 
+    def run(self, state, batch, data):
+        """One step: ``(state, batch, data) -> (state, metrics)``."""
+        gradients, update = self.parts
+        return update(state, *gradients(state, batch), data)
 
-def sharded_step(step_fn: Callable, state: dict, mesh: Mesh, rules,
-                 donate: bool = False) -> MeshStep:
-    """The training step jitted over ``mesh`` (:class:`MeshStep`)."""
-    return MeshStep(step_fn, state, mesh, rules, donate)
+    def temp_bytes(self) -> int | None:
+        """XLA's temporaries of the larger program (they run one after the other)."""
+        sizes = [m.temp_size_in_bytes for m in (c.memory_analysis() for c in self.parts) if m]
+        return max(sizes) if sizes else None
+
+    def as_text(self) -> str:
+        """Both compiled modules' HLO text."""
+        return "\n".join(c.as_text() for c in self.parts)
+
+
+def sharded_step(step, state: dict, mesh: Mesh, rules, donate: bool = False) -> MeshStep:
+    """The training step (a :class:`~k3jax.train.step.TrainStep`) jitted over ``mesh``
+    (:class:`MeshStep`)."""
+    return MeshStep(step, state, mesh, rules, donate)
 
 
 def under_mesh(fn: Callable, mesh: Mesh, rules) -> Callable:
