@@ -9,9 +9,12 @@ JSON lines, one per measured function::
 Nothing is allocated or run: every function is traced from ``jax.ShapeDtypeStruct`` inputs, then
 lowered and compiled (``jit(f).trace(...).lower().compile()``), each stage timed with the host
 clock. The persistent compilation cache is switched off so every number is a cold compile.
-``step`` is ``train.py``'s step (``make_train_step`` with ``build_optimizer``) jitted as one
-program, without the mesh wrapper; the training loop compiles its gradient and update parts as two
-programs side by side, which ``step_profile.py`` times. A part that fails prints an ``error`` line and the rest continues.
+``step`` is compiled as ``train.py`` compiles it: ``make_train_step`` with ``build_optimizer``
+over the preset's mesh, its gradient and update programs traced and lowered on this thread, then
+compiled at once on two worker threads (``compile_s`` until both are done; ``temp_GiB`` the larger
+program's). ``--one-program`` jits the same step as one program instead (how the loop compiled
+it before), without the mesh wrapper. A part that fails prints an ``error`` line and the rest
+continues.
 
 ``kernels`` compiles each distinct Pallas kernel of the gradient (name and input shapes; a kernel
 called by several layers compiles once) as a program of its own: the part's line has their number
@@ -33,6 +36,7 @@ are left out)::
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_time.py
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048           # the GPU shape
     PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon
+    PYTHONPATH=. python benchmarks/compile_time.py --parts step --optimizers muon --one-program
     PYTHONPATH=. python benchmarks/compile_time.py --parts grad --set model.kda.impl=chunked
     PYTHONPATH=. python benchmarks/compile_time.py --batch 32 --seq 2048 --parts step \
         --optimizers muon --phases /tmp/phases                  # where XLA's compile time goes
@@ -62,6 +66,8 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 from k3jax.config.experiment import apply_overrides  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
+from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
+from k3jax.train.loop import compile_step_async  # noqa: E402
 from k3jax.train.optim import build_optimizer, schedule_args  # noqa: E402
 from k3jax.train.step import (  # noqa: E402
     BATCH_KEYS,
@@ -168,8 +174,22 @@ def kernel_compiles(cfg, batch: dict) -> list[dict]:
     return sorted(rows, key=lambda r: -(r["compile_s"] or 0.0))
 
 
+def loop_compile(cfg, batch: dict, make_state, axes: dict, trace_dir: str | None = None) -> dict:
+    """Seconds of the train step compiled as the training loop compiles it (module docstring)."""
+    mesh = make_mesh(cfg.mesh)
+    variables = abstract_variables(cfg.model, batch["tokens"].shape)
+    shapes = sharded_state_shapes(cfg.model, mesh, cfg.mesh.rules, make_state, variables,
+                                  {"params": axes})
+    with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+        compiled = compile_step_async(cfg, mesh, shapes, axes, batch)[1].result()
+    temp = compiled.temp_bytes()
+    seconds = {k: round(v, 2) for k, v in compiled.seconds.items()}
+    return {**seconds, "total_s": round(sum(seconds.values()), 2),
+            "temp_GiB": None if temp is None else round(temp / 2**30, 2)}
+
+
 def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
-            trace_dir: str | None = None) -> dict:
+            trace_dir: str | None = None, one_program: bool = False) -> dict:
     loss, args = loss_and_args(cfg, batch)
     params, balance, _ = args
     if part == "forward":
@@ -179,8 +199,11 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
     optim = dataclasses.replace(cfg.optim, name=optimizer_name)
     axes = logical_axes(cfg.model, batch["tokens"].shape)["params"]
     optimizer = build_optimizer(optim, cfg.train.steps, params, axes)
-    state = jax.eval_shape(lambda p, bal: init_state(p, bal, optimizer, cfg.train.seed),
-                           params, balance)
+    make_state = lambda p, bal: init_state(p, bal, optimizer, cfg.train.seed)  # noqa: E731
+    if not one_program:
+        return loop_compile(dataclasses.replace(cfg, optim=optim), batch, make_state, axes,
+                            trace_dir)
+    state = jax.eval_shape(make_state, params, balance)
     step = make_train_step(K3Model(cfg.model), optim, cfg.train.micro_batches, cfg.model.moe,
                            axes)
     return timed_compile(step, state, batch, schedule_args(optim, cfg.train.steps),
@@ -201,6 +224,8 @@ def main(argv=None) -> None:
     ap.add_argument("--phases", metavar="DIR",
                     help="profile each compile into DIR and print its longest compiler events")
     ap.add_argument("--top", type=int, default=25, help="compiler events to print (--phases)")
+    ap.add_argument("--one-program", action="store_true",
+                    help="compile the step as one program (default: as train.py, two at once)")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     for p in parts:
@@ -235,7 +260,7 @@ def main(argv=None) -> None:
                 row.update(kernels=len(kernels), compile_s=None if None in seconds
                            else round(sum(seconds), 2))
             else:
-                row.update(measure(part, cfg, batch, opt, trace_dir))
+                row.update(measure(part, cfg, batch, opt, trace_dir, args.one_program))
         except Exception as e:  # noqa: BLE001 - report and go on with the other parts
             traceback.print_exc(file=sys.stderr)
             row["error"] = f"{type(e).__name__}: {e}"[:500]

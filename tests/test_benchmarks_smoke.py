@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from suite_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,17 @@ def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
     # jax's own event around XLA's compile: the stage the row timed.
     whole = events["backend_compile_and_load"]
     assert whole["n"] == 1 and abs(whole["s"] - row["compile_s"]) < 0.1 * row["compile_s"] + 0.5
+
+
+@pytest.mark.parametrize("how", [[], ["--one-program"]], ids=["as_the_loop", "one_program"])
+def test_compile_time_of_the_train_step(how):
+    """``--parts step``: the loop's two programs compiled at once, or the step as one program."""
+    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "2",
+                 "--seq", "32", "--parts", "step", "--optimizers", "adamw", *how])
+    (row,) = [r for r in rows if "compile_s" in r]
+    assert row["part"] == "step" and "error" not in row
+    assert min(row["trace_s"], row["lower_s"], row["compile_s"]) > 0
+    assert row["total_s"] >= row["compile_s"] and row["temp_GiB"] is not None
 
 
 def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
