@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     # imports JAX: after the config is known good
     from k3jax.train import CheckpointSaveError, NonFiniteError, run
 
-    # Compiled programs are cached next to the runs, so a resumed or repeated run starts at once.
+    # Compiled programs are cached next to the runs, so a resumed or repeated run starts at once
+    # (docs/runs.md: jax's cache, and the train step under a key known before tracing).
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
         Path(args.workdir).resolve().parent / ".jax_cache")
     jax.config.update("jax_compilation_cache_dir", cache)

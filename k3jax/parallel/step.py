@@ -8,7 +8,9 @@ expert-parallel dispatch finds the mesh and the rules table.
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
@@ -17,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
+from k3jax.parallel.executable_cache import ExecutableCache, program_key
 from k3jax.parallel.mesh import use_mesh
 from k3jax.parallel.sharding import (
     batch_sharding,
@@ -80,7 +83,7 @@ class MeshStep:
                     out_shardings=grads_sh),
             jax.jit(step.update, in_shardings=(state_sh, *grads_sh, self.replicated),
                     out_shardings=(state_sh, None), donate_argnums=(0, 1) if donate else ()))
-        self.mesh, self.rules = mesh, rules
+        self.mesh, self.rules, self.donate = mesh, rules, donate
 
     def lower(self, state, batch, data) -> tuple[list[jax.stages.Lowered], dict[str, float]]:
         """Both programs traced, then lowered, under the mesh for these (abstract) arguments;
@@ -94,34 +97,80 @@ class MeshStep:
             lowered = [t.lower() for t in traced]
         return lowered, {"trace_s": t1 - t0, "lower_s": time.perf_counter() - t1}
 
-    def compile_async(self, state, batch, data) -> Future:
+    def compile_async(self, state, batch, data, cache: ExecutableCache | None = None,
+                      description: object = None) -> Future:
         """The step compiled for these (abstract) arguments: a future of :class:`CompiledStep`.
 
         Traced and lowered on this thread (lowering reads jax's global config, which the caller
         may change next, e.g. while initialising), then compiled by XLA on two worker threads, one
         per program, while the caller sets up the state.
+
+        With a ``cache``, the programs are stored there once compiled, under a key made of
+        ``description`` (everything the step is built from besides the source: its configs), the
+        arguments, the mesh and the process's environment
+        (:func:`~k3jax.parallel.executable_cache.program_key`); when the key is there already,
+        they are loaded on a worker thread instead, with nothing traced. A stored file that does
+        not load is compiled again (on that worker) and replaced.
         """
-        lowered, seconds = self.lower(state, batch, data)
-        t0 = time.perf_counter()
-        pool = ThreadPoolExecutor(len(lowered) + 1, thread_name_prefix="compile-step")
-        parts = [pool.submit(lo.compile) for lo in lowered]
-
-        def join() -> CompiledStep:
-            compiled = tuple(part.result() for part in parts)
-            return CompiledStep(compiled, {**seconds, "compile_s": time.perf_counter() - t0})
-
-        done = pool.submit(join)
-        pool.shutdown(wait=False)  # the workers end with the compiles; nothing else is queued
+        done: Future = Future()
+        args = (state, batch, data)
+        key = program_key((description, self.donate), args, self.mesh) if cache else None
+        if cache is not None and cache.has(key):
+            work, work_args = self._load, (cache, key, args, done)
+        else:
+            work, work_args = self._compile, (self.lower(*args), cache, key, done)
+        threading.Thread(target=_settle, args=(done, work, work_args),
+                         name="compile-step").start()
         return done
+
+    def _compile(self, lowered_seconds, cache, key, done: Future) -> None:
+        lowered, seconds = lowered_seconds
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(lowered), thread_name_prefix="compile-step") as pool:
+            parts = tuple(pool.map(lambda lo: lo.compile(), lowered))
+        stored: Future = Future()
+        done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
+                                     stored))
+        # Written after the result is out: the first step does not wait for the write.
+        path = None
+        if cache is not None:
+            try:
+                path = cache.store(key, parts)
+            except Exception as e:  # noqa: BLE001 - a step not stored is only compiled again
+                warnings.warn(f"the compiled step was not stored in {cache.directory}: {e!r}")
+        stored.set_result(path)
+
+    def _load(self, cache, key, args, done: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            parts = tuple(cache.load(key))
+        except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
+            warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
+            return self._compile(self.lower(*args), cache, key, done)
+        stored: Future = Future()
+        stored.set_result(cache.path(key))
+        done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
+
+
+def _settle(done: Future, work, args) -> None:
+    """``work(*args)`` (which sets ``done``'s result), or its exception into ``done``."""
+    try:
+        work(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the step
+        if not done.done():
+            done.set_exception(e)
 
 
 class CompiledStep(NamedTuple):
     """:meth:`MeshStep.compile_async`'s result: the compiled gradient and update programs and
     ``seconds``: ``trace_s`` and ``lower_s`` (both programs, on the caller's thread) and
-    ``compile_s`` (XLA, from the workers' start until both are done)."""
+    ``compile_s`` (XLA, from the workers' start until both are done), or ``load_s`` alone when
+    they came from the executable cache; ``stored``: a future of the cache file that holds them
+    (None without a cache), done once it is written."""
 
     parts: tuple[jax.stages.Compiled, jax.stages.Compiled]
     seconds: dict[str, float]
+    stored: Future | None = None
 
     def run(self, state, batch, data):
         """One step: ``(state, batch, data) -> (state, metrics)``."""

@@ -195,9 +195,9 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
                 writer.write(done, "compile", {"first_step_s": first,
                                                "start_to_first_step_s": since_start,
                                                **compiled.seconds})
-                log(f"[compile] first train step done {since_start:.1f} s after the start; XLA "
-                    f"compiled it in {compiled.seconds['compile_s']:.1f} s while the state was "
-                    f"set up, then the step waited {first:.1f} s")
+                log(f"[compile] first train step done {since_start:.1f} s after the start; "
+                    f"{_compile_words(compiled.seconds)} while the state was set up, then the "
+                    f"step waited {first:.1f} s")
             else:
                 prog.window_steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
@@ -246,7 +246,29 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
                         state_shapes, mesh, rules, donate=jax.default_backend() != "cpu")
     schedule = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     batch = abstract_batch(mesh, rules, {k: host_batch[k] for k in BATCH_KEYS})
-    return schedule, step.compile_async(state_shapes, batch, schedule)
+    # What make_train_step and sharded_step read of the config: the rest of the key is the
+    # arguments, the mesh and the environment (k3jax.parallel.executable_cache).
+    description = (cfg.model, cfg.optim, cfg.train.micro_batches, cfg.mesh)
+    return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
+                                        description)
+
+
+def _step_cache():
+    """An :class:`~k3jax.parallel.executable_cache.ExecutableCache` of train steps next to jax's
+    persistent compilation cache, when that is on and one process runs
+    (:func:`~k3jax.parallel.executable_cache.usable`); else None."""
+    from k3jax.parallel.executable_cache import ExecutableCache, usable
+
+    directory = jax.config.jax_compilation_cache_dir
+    if not (jax.config.jax_enable_compilation_cache and directory and usable()):
+        return None
+    return ExecutableCache(Path(directory) / "k3jax-steps")
+
+
+def _compile_words(seconds: dict) -> str:
+    if "load_s" in seconds:
+        return f"the compiled step was loaded from the cache in {seconds['load_s']:.1f} s"
+    return f"XLA compiled it in {seconds['compile_s']:.1f} s"
 
 
 def _recorded_config(cfg, data) -> dict:

@@ -1,0 +1,167 @@
+"""Compiled programs kept on disk under a key known before tracing, so a resumed run skips the
+trace and the lowering of its train step.
+
+jax's persistent compilation cache is keyed by the lowered program: every start traces and lowers
+the step before it can look it up (10.5 s for ``k3_small`` on an H200, most of it lowering the
+Pallas kernels). Here the key is what the program is made from: the caller's description of it
+(for the train step: the model and optimiser configs and the micro-batch count), its abstract
+arguments with their shardings, the mesh's devices, the source of ``k3jax`` and
+``pallas_kernels``, the versions of jax and the libraries the step calls, jax's configuration, the
+``XLA_*`` / ``JAX_*`` environment and the devices' kind and runtime. A change in any of them is a
+miss: the program is traced, lowered and compiled as without this cache, then stored.
+
+What the key cannot see is a library changed in place under an unchanged version (an editable
+install of jax or flax): delete the cache directory after editing one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jax
+from jax.experimental import serialize_executable
+
+SOURCE_PACKAGES = ("k3jax", "pallas_kernels")
+# Distributions whose code runs while the step is traced or compiled.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "numpy", "ml_dtypes")
+ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
+# jax options about caching and logging, which do not change a program.
+IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
+                   "jax_debug_log", "jax_logging")
+KEEP = 8  # programs kept per directory, newest used first (each is tens to hundreds of MB)
+
+
+def source_digest(roots: Iterable[Path]) -> str:
+    """sha256 of every ``*.py`` file under ``roots`` (relative paths and bytes, in sorted order)."""
+    h = hashlib.sha256()
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _package_roots() -> list[Path]:
+    roots = []
+    for name in SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots.extend(Path(p) for p in spec.submodule_search_locations)
+    return roots
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and (name in LIBRARIES or name.startswith("jax")):
+            versions[name] = dist.version
+    return dict(sorted(versions.items()))
+
+
+def environment() -> dict:
+    """What the key takes from the process: sources, library versions, jax's options, the
+    ``XLA_*`` / ``JAX_*`` environment and the backend's runtime."""
+    backend = jax.devices()[0].client
+    return {
+        "sources": source_digest(_package_roots()),
+        "versions": _versions(),
+        "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
+                    if not k.startswith(IGNORED_OPTIONS)},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "runtime": (backend.platform, backend.platform_version),
+    }
+
+
+def _abstract(x) -> tuple:
+    return (tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)))
+
+
+def program_key(description: object, args: tuple, mesh: jax.sharding.Mesh) -> str:
+    """The cache key of a program: ``description`` (its ``repr`` must name everything the program
+    is built from besides the source, e.g. frozen configs), its (abstract) ``args`` and ``mesh``,
+    and :func:`environment`."""
+    devices = [(d.id, d.device_kind) for d in mesh.devices.flat]
+    parts = (repr(description), str(jax.tree.structure(args)),
+             [_abstract(x) for x in jax.tree.leaves(args)],
+             (mesh.axis_names, mesh.devices.shape, devices), environment())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+class ExecutableCache:
+    """Compiled programs in ``directory``, one file per key: :meth:`load`, :meth:`store`.
+
+    Single-process runs only: a multi-process program is compiled by every process for its own
+    devices, and ``load`` refuses to serve one (:func:`usable`).
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.executable"
+
+    def has(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def load(self, key: str) -> list[jax.stages.Compiled]:
+        """The programs stored under ``key`` (raises if there are none or they do not load)."""
+        path = self.path(key)
+        entry = pickle.loads(path.read_bytes())
+        os.utime(path)  # most recently used: kept longest
+        register_handlers(entry["targets"])
+        return [serialize_executable.deserialize_and_load(*p) for p in entry["programs"]]
+
+    def store(self, key: str, programs: Sequence[jax.stages.Compiled]) -> Path:
+        """``programs`` written under ``key`` atomically (a crash leaves no partial file); the
+        oldest files beyond :data:`KEEP` are removed."""
+        targets = sorted({t for p in programs for t in custom_call_targets(p.as_text())})
+        blob = pickle.dumps({"targets": targets,
+                             "programs": [serialize_executable.serialize(p) for p in programs]})
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        self._evict()
+        return path
+
+    def _evict(self) -> None:
+        files = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
+        for old in files[:-KEEP]:
+            old.unlink(missing_ok=True)
+
+
+def custom_call_targets(hlo_text: str) -> set[str]:
+    """The custom-call targets a compiled module's HLO text calls."""
+    return set(re.findall(r'custom_call_target="([^"]+)"', hlo_text))
+
+
+def register_handlers(targets: Iterable[str]) -> None:
+    """Registers the handlers of ``targets`` that jax registers only when it lowers a call to them.
+
+    A program loaded in a process that lowered nothing would call an unregistered handler and
+    crash (on the CPU, the LAPACK kernels of ``solve_triangular``); ``jax.export`` registers them
+    the same way before it calls a deserialized program.
+    """
+    targets = list(targets)
+    if any(t.startswith("lapack_") for t in targets):
+        from jax._src.lax import linalg
+        linalg.initialize_lapack()
+    if any(t.startswith("mosaic_gpu") for t in targets):
+        import jax.experimental.mosaic.gpu  # noqa: F401 - its extension registers the handler
+
+
+def usable() -> bool:
+    """Whether programs can be cached here: one process (see :class:`ExecutableCache`)."""
+    return jax.process_count() == 1
+
+
+__all__ = ["ExecutableCache", "custom_call_targets", "environment", "program_key",
+           "register_handlers", "source_digest", "usable"]

@@ -1,0 +1,126 @@
+"""The executable cache of train steps: its key misses on any change of what the program is made
+from, a stored step loads and computes the same numbers, and a damaged file is compiled again.
+
+That a resumed ``train.py`` run in a new process loads the step and stays bit-exact is checked by
+``test_train.py``'s resume test (its runs share one cache directory).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.config.mesh import MeshConfig
+from k3jax.parallel import make_mesh
+from k3jax.parallel.executable_cache import ExecutableCache, program_key, source_digest
+from k3jax.parallel.step import MeshStep
+from k3jax.train.step import TrainStep
+
+
+def _toy_step() -> TrainStep:
+    """A least-squares step: the gradient of ``mean((x w - y)^2)``, then SGD."""
+    def gradients(state, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state["params"])
+        return grads, {"loss": loss}
+
+    def update(state, grads, out, schedule):
+        params = jax.tree.map(lambda p, g: p - schedule["lr"] * g, state["params"], grads)
+        return {**state, "params": params}, {"loss": out["loss"]}
+
+    return TrainStep(gradients, update)
+
+
+@pytest.fixture()
+def toy():
+    mesh = make_mesh(MeshConfig())
+    rules = MeshConfig().rules
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(0)
+    state = jax.device_put({"params": {"w": rng.normal(size=(4, 3)).astype(np.float32)}},
+                           replicated)
+    rows = 2 * len(jax.devices())
+    batch = {"x": rng.normal(size=(rows, 4)).astype(np.float32),
+             "y": rng.normal(size=(rows, 3)).astype(np.float32)}
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+    schedule = jax.device_put({"lr": np.float32(0.1)}, replicated)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            (state, batch, schedule))
+
+    def compile_step(cache, description="toy"):
+        step = MeshStep(_toy_step(), abstract[0], mesh, rules)
+        compiled = step.compile_async(*abstract, cache=cache, description=description).result()
+        compiled.stored.result()  # the file is written after the step is handed out
+        return compiled
+
+    return {"mesh": mesh, "args": (state, batch, schedule), "abstract": abstract,
+            "compile": compile_step}
+
+
+def _outputs(compiled, args):
+    return jax.tree.leaves(compiled.run(*args))
+
+
+def test_stored_step_loads_and_computes_the_same(toy, tmp_path):
+    cache = ExecutableCache(tmp_path)
+    first = toy["compile"](cache)
+    assert {"trace_s", "lower_s", "compile_s"} <= set(first.seconds)
+    assert len(list(tmp_path.glob("*.executable"))) == 1
+    loaded = toy["compile"](cache)
+    assert set(loaded.seconds) == {"load_s"}
+    for a, b in zip(_outputs(first, toy["args"]), _outputs(loaded, toy["args"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Another description is another program: compiled and stored beside the first.
+    assert "compile_s" in toy["compile"](cache, description="toy, another config").seconds
+    assert len(list(tmp_path.glob("*.executable"))) == 2
+
+
+def test_damaged_file_is_compiled_again_and_replaced(toy, tmp_path):
+    cache = ExecutableCache(tmp_path)
+    reference = _outputs(toy["compile"](cache), toy["args"])
+    (path,) = tmp_path.glob("*.executable")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="did not load"):
+        again = toy["compile"](cache)
+    assert "compile_s" in again.seconds
+    for a, b in zip(reference, _outputs(again, toy["args"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the replaced file loads without a warning
+        assert set(toy["compile"](cache).seconds) == {"load_s"}
+
+
+def test_key_changes_with_each_thing_the_program_is_made_from(toy):
+    mesh, (state, batch, schedule) = toy["mesh"], toy["abstract"]
+    key = program_key("toy", (state, batch, schedule), mesh)
+    assert key == program_key("toy", (state, batch, schedule), mesh)
+    assert key != program_key("toy, another config", (state, batch, schedule), mesh)
+    w = state["params"]["w"]
+    wider = {"params": {"w": jax.ShapeDtypeStruct((4, 5), w.dtype, sharding=w.sharding)}}
+    assert key != program_key("toy", (wider, batch, schedule), mesh)
+    bf16 = {"params": {"w": jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)}}
+    assert key != program_key("toy", (bf16, batch, schedule), mesh)
+    split = NamedSharding(mesh, PartitionSpec("data"))
+    x = batch["x"]
+    resharded = {**batch, "x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split)}
+    other = {**batch, "x": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                 sharding=NamedSharding(mesh, PartitionSpec()))}
+    assert program_key("toy", (state, resharded, schedule), mesh) != program_key(
+        "toy", (state, other, schedule), mesh)
+
+
+def test_source_digest_sees_every_edit(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
+    before = source_digest([tmp_path])
+    (tmp_path / "pkg" / "b.py").write_text("y = 3\n")
+    edited = source_digest([tmp_path])
+    (tmp_path / "pkg" / "c.py").write_text("")
+    added = source_digest([tmp_path])
+    (tmp_path / "pkg" / "c.py").rename(tmp_path / "pkg" / "d.py")
+    renamed = source_digest([tmp_path])
+    assert len({before, edited, added, renamed}) == 4
