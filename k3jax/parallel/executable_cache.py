@@ -35,7 +35,7 @@ ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
 # jax options about caching and logging, which do not change a program.
 IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
                    "jax_debug_log", "jax_logging")
-KEEP = 8  # programs kept per directory, newest used first (each is tens to hundreds of MB)
+KEEP = 8  # programs kept per directory, the most recently used (k3_small's step: 29 MB)
 
 
 def source_digest(roots: Iterable[Path]) -> str:
@@ -97,8 +97,8 @@ def program_key(description: object, args: tuple, mesh: jax.sharding.Mesh) -> st
 class ExecutableCache:
     """Compiled programs in ``directory``, one file per key: :meth:`load`, :meth:`store`.
 
-    Single-process runs only: a multi-process program is compiled by every process for its own
-    devices, and ``load`` refuses to serve one (:func:`usable`).
+    For single-process runs only (the caller checks :func:`usable`): a multi-process program is
+    compiled by every process for its own devices.
     """
 
     def __init__(self, directory: str | Path):

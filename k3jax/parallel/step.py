@@ -127,7 +127,7 @@ class MeshStep:
         lowered, seconds = lowered_seconds
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(lowered), thread_name_prefix="compile-step") as pool:
-            parts = tuple(pool.map(lambda lo: lo.compile(), lowered))
+            parts = tuple(pool.map(jax.stages.Lowered.compile, lowered))
         stored: Future = Future()
         done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
                                      stored))
