@@ -1,8 +1,8 @@
 """The executable cache of train steps: its key misses on any change of what the program is made
 from, a stored step loads and computes the same numbers, and a damaged file is compiled again.
 
-That a resumed ``train.py`` run in a new process loads the step and stays bit-exact is checked by
-``test_train.py``'s resume test (its runs share one cache directory).
+The programs here are compiled and loaded in one process; ``train.py`` uses the cache on GPUs
+only (:func:`~k3jax.parallel.executable_cache.usable`).
 """
 
 import warnings

@@ -2,8 +2,7 @@
 non-finite steps are skipped; packed documents do not see each other; optimiser rules.
 
 The runs are subprocesses of ``train.py`` sharing one JAX compilation cache, so only the first one
-compiles; the others load its step from the executable cache next to it. Model: 2 layers (KDA then
-MLA), d_model 32, vocab 256, sequences of 32 tokens.
+compiles. Model: 2 layers (KDA then MLA), d_model 32, vocab 256, sequences of 32 tokens.
 """
 
 import functools
@@ -131,10 +130,6 @@ def test_resume_after_sigkill_is_bit_exact_and_skips_damage(runs):
     if older:
         assert f"resumed from {damaged.parent / str(max(older))}" in err
     _assert_same_state(_final_state(runs["root"] / "A"), _final_state(runs["root"] / "B"))
-    # A compiled the step and stored it; B, a new process with the same config, loaded it
-    # (k3jax.parallel.executable_cache) and still trained the same bits.
-    assert "XLA compiled it" in runs["A"].stderr
-    assert "the compiled step was loaded from the cache" in err, err[-2000:]
     steps = [json.loads(x)["step"] for x in (runs["root"] / "B" / "metrics.jsonl").read_text()
              .splitlines() if json.loads(x)["kind"] == "train"]
     assert steps == sorted(set(steps))  # records after the restored step were dropped

@@ -147,20 +147,22 @@ def register_handlers(targets: Iterable[str]) -> None:
     """Registers the handlers of ``targets`` that jax registers only when it lowers a call to them.
 
     A program loaded in a process that lowered nothing would call an unregistered handler and
-    crash (on the CPU, the LAPACK kernels of ``solve_triangular``); ``jax.export`` registers them
-    the same way before it calls a deserialized program.
+    crash (as ``jax.export`` knows: it registers the CPU's LAPACK handlers before it calls a
+    deserialized program).
     """
-    targets = list(targets)
-    if any(t.startswith("lapack_") for t in targets):
-        from jax._src.lax import linalg
-        linalg.initialize_lapack()
     if any(t.startswith("mosaic_gpu") for t in targets):
         import jax.experimental.mosaic.gpu  # noqa: F401 - its extension registers the handler
 
 
 def usable() -> bool:
-    """Whether programs can be cached here: one process (see :class:`ExecutableCache`)."""
-    return jax.process_count() == 1
+    """Whether programs can be cached here: one process (see :class:`ExecutableCache`) on GPUs.
+
+    Not on the CPU: XLA:CPU's deserialized programs failed there (a process that had compiled
+    the same step for another sweep point loaded it and stopped at its first call with
+    ``NOT_FOUND: Function wrapped_divide not found``), while jax's own cache, which never reloads
+    a program the process compiled, works; a CPU step compiles in seconds anyway.
+    """
+    return jax.process_count() == 1 and jax.default_backend() == "gpu"
 
 
 __all__ = ["ExecutableCache", "custom_call_targets", "environment", "program_key",
