@@ -15,6 +15,7 @@ from pathlib import Path
 
 from k3jax.config.base import ConfigError
 from k3jax.config.experiment import ExperimentConfig, from_dict
+from k3jax.files import write_atomically
 
 
 def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, dict, dict]:
@@ -67,7 +68,7 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
            "results": {k: {m: v[m] for m in ("loss", "bpb", "accuracy", "tokens")
                            if m != "bpb" or (k == "heldout" and data.has_bytes)}
                        for k, v in results.items()}}
-    (workdir / "eval.json").write_text(json.dumps(out, indent=1))
+    write_atomically(workdir / "eval.json", json.dumps(out, indent=1))
     return out
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOP_PACKAGES = ("k3jax", "pallas_kernels")
 
 TIERS = (
-    ("k3jax.config", "k3jax.devices"),
+    ("k3jax.config", "k3jax.devices", "k3jax.files"),
     ("pallas_kernels",),       # the kernels: config, devices and each other only
     ("k3jax.ops",),            # the math; calls the kernels, never the other way
     ("k3jax.layers", "k3jax.stack"),

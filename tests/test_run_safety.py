@@ -386,3 +386,29 @@ def test_model_rejects_out_of_range_token_ids():
         with pytest.raises(ValueError, match=r"tokens: ids must lie in \[0, model\.vocab_size="
                                              r"256\)"):
             K3Model(TINY_MODEL).apply({"params": {}}, bad)
+
+
+_REWRITER = """
+import json, sys
+from k3jax.files import write_atomically
+text = json.dumps(list(range(2_000_000)))
+while True:
+    write_atomically(sys.argv[1], text)
+"""
+
+
+def test_a_file_rewritten_while_killed_is_whole(tmp_path):
+    """A process SIGKILLed while it rewrites a 15 MB file over and over leaves a file that parses
+    (the sweep's and the loop's JSON files are read back by the next run)."""
+    path = tmp_path / "record.json"
+    for delay in (0.05, 0.13, 0.31):
+        proc = subprocess.Popen([sys.executable, "-c", _REWRITER, str(path)],
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        deadline = time.time() + 60
+        while not path.is_file():
+            assert time.time() < deadline and proc.poll() is None, "the writer never wrote"
+            time.sleep(0.01)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert len(json.loads(path.read_text())) == 2_000_000

@@ -28,6 +28,8 @@ from typing import Iterable, Sequence
 import jax
 from jax.experimental import serialize_executable
 
+from k3jax.files import write_atomically
+
 SOURCE_PACKAGES = ("k3jax", "pallas_kernels")
 # Distributions whose code runs while the step is traced or compiled.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "numpy", "ml_dtypes")
@@ -125,10 +127,7 @@ class ExecutableCache:
         blob = pickle.dumps({"targets": targets,
                              "programs": [serialize_executable.serialize(p) for p in programs]})
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
+        path = write_atomically(self.path(key), blob)
         self._evict()
         return path
 

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k3jax.config.experiment import ExperimentConfig, from_dict
+from k3jax.files import write_atomically
 from k3jax.sweep.plan import Plan
 from k3jax.sweep.spec import Executor, SweepError
 
@@ -65,7 +66,7 @@ def write_plan(plan: Plan, root: Path) -> dict:
                              f"{', '.join(changed)}); use another --dir or the same sweep file")
         return old
     root.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    write_atomically(path, json.dumps(record, indent=1))
     return record
 
 
@@ -101,7 +102,7 @@ def _latest_step(ckpt_dir: Path) -> int | None:
 def _record_failure(root: Path, name: str, error: str) -> None:
     d = run_dir(root, name)
     d.mkdir(parents=True, exist_ok=True)
-    (d / FAILED_FILE).write_text(json.dumps({"error": error, "time": time.time()}, indent=1))
+    write_atomically(d / FAILED_FILE, json.dumps({"error": error, "time": time.time()}, indent=1))
 
 
 # -- one job, in this process -------------------------------------------------------------------
@@ -178,7 +179,7 @@ def _add_timing(d: Path, start: float, end: float) -> None:
     path = d / TIMING_FILE
     spans = json.loads(path.read_text()) if path.is_file() else []
     d.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([*spans, [start, end]]))
+    write_atomically(path, json.dumps([*spans, [start, end]]))
 
 
 # -- executors ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from k3jax.config.base import ConfigError
 from k3jax.data import make_data
+from k3jax.files import write_atomically
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.memory import check_state_fits
@@ -125,7 +126,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         raise
     # The run can go on: from here on the workdir changes.
     if first_process:
-        (workdir / "config.json").write_text(json.dumps(config, indent=1))
+        write_atomically(workdir / "config.json", json.dumps(config, indent=1))
     sharded_shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables,
                                            variable_axes)
     start = 0 if found is None else found[0]
@@ -222,7 +223,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     for line in summary["lines"]:
         log(line)
     if first_process:
-        (workdir / "summary.json").write_text(json.dumps(
+        write_atomically(workdir / "summary.json", json.dumps(
             {k: v for k, v in summary.items() if k != "lines"}, indent=1))
     return summary
 

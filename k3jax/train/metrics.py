@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from k3jax.files import write_atomically
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -54,7 +56,7 @@ class MetricsWriter:
         kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
         if resume_step == 0:
             kept = []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
         if tensorboard:
             try:
