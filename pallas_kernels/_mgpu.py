@@ -35,6 +35,13 @@ def column_tiles(n: int) -> list:
     return [pl.ds(i * KT, KT) for i in range(n // KT)]
 
 
+def over_tiles(n: int, body, init=None):
+    """``body(cols, carry) -> carry`` folded over the tiles of :data:`KT` of ``n`` columns as a
+    loop in the kernel, not unrolled: an unrolled tile is thousands of register loads and stores
+    in the module, each copy compiled again by ptxas."""
+    return lax.fori_loop(0, n // KT, lambda i, carry: body(pl.ds(i * KT, KT), carry), init)
+
+
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     """Row (``dim=0``) or column (``dim=1``) indices of a WGMMA-layout int32 tile."""
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)

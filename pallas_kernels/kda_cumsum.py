@@ -34,6 +34,7 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
+    over_tiles,
     shared_lowering,
     store_split,
     tiles,
@@ -115,13 +116,17 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
             gc_ref.at[bi, hi, tok, ch][...] = g_cum
             x_s.at[:, ch][...] = g_cum  # g is spent: G's last row is read back from here
         plgpu.commit_smem()
-        for ch in column_tiles(dk):
+
+        def gate_tile(ch, carry):
             factors = gate_factors(x_s.at[:, ch], mask_refs, bi, ni)
             products = gated_operands(q_ref.at[bi, tok, hi, ch], k_ref.at[bi, tok, hi, ch],
                                       factors, scale)
             for ref, x in zip(product_refs, products):
                 ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]
+            return carry
+
+        over_tiles(dk, gate_tile)
 
     run = kernel(body, "kda_cumsum_gates", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=_scratch(dk))

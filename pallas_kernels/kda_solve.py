@@ -29,6 +29,10 @@ parts; the code here is written from the algebra above.
 Why no powers: with nearly parallel keys, ``beta`` near 1 and little decay, ``L^32`` reaches ~1e16
 while ``T`` stays bounded by 1: the product formula ``(I - L)(I + L^2)...(I + L^32)`` then has a
 relative error of ~1e9 even in fp32, ~1e13 in bf16 (``tests/test_pallas_kda.py`` runs that regime).
+The pivots, the two merges and the column tiles are loops in the kernel, not unrolled Python
+loops: each unrolled copy was thousands of register loads and stores, and rolling them up halved
+both modules and their compile time at the same speed (docs/benchmarks.md).
+
 Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32).
 """
 
@@ -50,11 +54,12 @@ from pallas_kernels._mgpu import (
     COL,
     F32,
     ROW,
-    column_tiles,
+    WG,
     iota,
     kernel,
     load,
     matmul,
+    over_tiles,
     per_col,
     per_row,
     shared_lowering,
@@ -108,7 +113,8 @@ def _diagonal_blocks_inverse(l_s, s_s):
     s = jnp.where(cols == offset, 1.0, 0.0)
     s_s[...] = s
     plgpu.commit_smem()
-    for j in range(BLOCK - 1):      # static pivots: row j of every block is final
+
+    def eliminate(j, s):            # pivot j: row j of every block is final
         pivot = None
         for b in range(CHUNK // BLOCK):
             row = per_col(load(s_s.at[BLOCK * b + j], COL), tile)
@@ -117,7 +123,9 @@ def _diagonal_blocks_inverse(l_s, s_s):
         s = jnp.where(offset > j, s - coef * pivot, s)
         s_s[...] = s
         plgpu.commit_smem()         # the next pivot row is read back by other threads
-    return s
+        return s
+
+    return lax.fori_loop(0, BLOCK - 1, eliminate, s)
 
 
 def _product(x_parts, y_parts):
@@ -144,11 +152,13 @@ def _chunk_inverse(l_s, s_s, d_s, split_s):
     plgpu.commit_smem()
     d, lower_full = load(d_s), load(l_s)
     rb, cb = iota(FULL, 0) >> 4, iota(FULL, 1) >> 4
-    # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left 32x32 quadrant.
-    for below in ((rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2)):
+
+    def merge(level, d):  # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant
+        below = jnp.where(level == 0, (rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2))
         b_part = jnp.where(below, lower_full, 0.0)
-        d = d - _precise_product(d, _precise_product(b_part, d, split_s), split_s)
-    return d
+        return d - _precise_product(d, _precise_product(b_part, d, split_s), split_s)
+
+    return lax.fori_loop(0, 2, merge, d)
 
 
 class _Chunk(NamedTuple):
@@ -199,11 +209,14 @@ def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
         store_split(t, (t_hi, t_lo))
         for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk),
                                                (v_ref, True, u_ref, dv)):
-            for cols in column_tiles(n):
+            def product_tile(cols, carry, z_ref=z_ref, token_major=token_major, out_ref=out_ref):
                 store_split(_scaled_tile(z_ref, at, cols, beta_rows, token_major)[1], (z_hi, z_lo))
                 plgpu.commit_smem()
                 out = _product((t_hi, t_lo), (z_hi, z_lo))
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
+                return carry
+
+            over_tiles(n, product_tile)
 
     # xk and v go from GMEM to registers, each read once: the kernel is latency-bound, and without
     # their 64 KB of SMEM (K = V = 128) its SMEM no longer limits an SM to one CTA.
@@ -221,9 +234,11 @@ def _operand_grads(at, beta_rows, terms, t_parts, scratch):
     U)``), write ``dz = beta T^T dOut`` tile by tile; returns ``dT = sum dOut (beta z)^T`` ``[C,
     C]`` and ``sum_c (T^T dOut)[r, c] z[r, c]`` (``[C]``, ROW layout: ``dbeta``'s share) fp32."""
     (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
-    dt = dbeta = None
+    sums = (plgpu.layout_cast(jnp.zeros(FULL, F32), WG),
+            plgpu.layout_cast(jnp.zeros((CHUNK,), F32), ROW))
     for z_ref, token_major, dout_ref, dz_ref, n in terms:
-        for cols in column_tiles(n):
+        def grad_tile(cols, sums, z_ref=z_ref, token_major=token_major, dout_ref=dout_ref,
+                      dz_ref=dz_ref):
             z, scaled = _scaled_tile(z_ref, at, cols, beta_rows, token_major)
             store_split(load(_view(dout_ref, at, cols)).astype(F32), (a_hi, a_lo))
             store_split(scaled, (b_hi, b_lo))
@@ -231,9 +246,10 @@ def _operand_grads(at, beta_rows, terms, t_parts, scratch):
             part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))                # dW X^T, one tile of K
             dz = _product((t_hi.T, t_lo.T), (a_hi, a_lo))                  # dX = T^T dW
             _view(dz_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(dz_ref.dtype)
-            share = jnp.sum(dz * z, axis=1)
-            dt, dbeta = (part, share) if dt is None else (dt + part, dbeta + share)
-    return dt, dbeta
+            return sums[0] + part, sums[1] + jnp.sum(dz * z, axis=1)
+
+        sums = over_tiles(n, grad_tile, sums)
+    return sums
 
 
 def _strictly_lower():
