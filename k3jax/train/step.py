@@ -111,7 +111,8 @@ def make_train_step(model, optim_cfg, micro_batches: int, moe_cfg=None, axes=Non
             def body(carry, xs):
                 (mb, key) = xs
                 g, o = grad_fn(params, balance, mb, total, key)
-                return (jax.tree.map(jnp.add, carry[0], g), _add_out(carry[1], o)), None
+                with jax.named_scope("accumulate"):
+                    return (jax.tree.map(jnp.add, carry[0], g), _add_out(carry[1], o)), None
             # Every micro-batch runs inside the scan, from a zero carry: one copy of the model's
             # forward and backward in the program (compile time), not one more for the first.
             shapes = jax.eval_shape(grad_fn, params, balance, _index(mbs, 0), total, keys[0])
@@ -126,18 +127,24 @@ def make_train_step(model, optim_cfg, micro_batches: int, moe_cfg=None, axes=Non
             out["diag"] = jax.tree.map(lambda x: x / micro_batches, out["diag"])
         return grads, {**out, "tokens": total}
 
+    # The named scopes label the update's parts in a profile (benchmarks/step_profile.py): outside
+    # the model, its fusions would otherwise all read as their bare op (reduce_sum, add, select_n).
     def update(state, grads, out, schedule):
         params, balance = state["params"], state["balance"]
         optimizer = build_optimizer(optim_cfg, None, params, axes, args=schedule)
         loss = out["sum_nats"] / out["tokens"]
-        grad_norm = optax.tree.norm(grads)
+        with jax.named_scope("grad_norm"):
+            grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(out["aux"]) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-               "balance": (balancing.update_balance(balance, out["stats"], moe_cfg)
-                           if balance else balance)}
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o),
-                           new, {k: state[k] for k in new})
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        with jax.named_scope("router_bias"):
+            new["balance"] = (balancing.update_balance(balance, out["stats"], moe_cfg)
+                              if balance else balance)
+        with jax.named_scope("finite_guard"):
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o),
+                               new, {k: state[k] for k in new})
         state = {**state, **new, "step": state["step"] + 1,
                  "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
