@@ -61,6 +61,26 @@ def generation_case(name: str):
     return cfg, init(cfg, 1)
 
 
+def least_squares_step():
+    """A :class:`~k3jax.train.step.TrainStep` small enough to compile in a second: the gradient
+    of ``mean((x w - y)^2)`` for ``state["params"]["w"]``, then SGD at ``schedule["lr"]``."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.train.step import TrainStep
+
+    def gradients(state, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state["params"])
+        return grads, {"loss": loss}
+
+    def update(state, grads, out, schedule):
+        params = jax.tree.map(lambda p, g: p - schedule["lr"] * g, state["params"], grads)
+        return {**state, "params": params}, {"loss": out["loss"]}
+
+    return TrainStep(gradients, update)
+
+
 def free_port() -> int:
     """A TCP port on localhost that is free right now (for a jax.distributed coordinator)."""
     import socket

@@ -11,27 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import least_squares_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config.mesh import MeshConfig
 from k3jax.parallel import make_mesh
 from k3jax.parallel.executable_cache import ExecutableCache, program_key, source_digest
 from k3jax.parallel.step import MeshStep
-from k3jax.train.step import TrainStep
-
-
-def _toy_step() -> TrainStep:
-    """A least-squares step: the gradient of ``mean((x w - y)^2)``, then SGD."""
-    def gradients(state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state["params"])
-        return grads, {"loss": loss}
-
-    def update(state, grads, out, schedule):
-        params = jax.tree.map(lambda p, g: p - schedule["lr"] * g, state["params"], grads)
-        return {**state, "params": params}, {"loss": out["loss"]}
-
-    return TrainStep(gradients, update)
 
 
 @pytest.fixture()
@@ -51,7 +37,7 @@ def toy():
                             (state, batch, schedule))
 
     def compile_step(cache, description="toy"):
-        step = MeshStep(_toy_step(), abstract[0], mesh, rules)
+        step = MeshStep(least_squares_step(), abstract[0], mesh, rules)
         compiled = step.compile_async(*abstract, cache=cache, description=description).result()
         compiled.stored.result()  # the file is written after the step is handed out
         return compiled

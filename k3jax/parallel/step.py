@@ -78,11 +78,13 @@ class MeshStep:
         state_sh = shardings_of(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         grads_sh = (state_sh["params"], self.replicated)
+        # The state only: its buffers become the new state's. The gradients have no output left
+        # to become (on one GPU, jax warned at each start, listing every one of them).
         self.parts = (
             jax.jit(step.gradients, in_shardings=(state_sh, batch_sharding(mesh, rules)),
                     out_shardings=grads_sh),
             jax.jit(step.update, in_shardings=(state_sh, *grads_sh, self.replicated),
-                    out_shardings=(state_sh, None), donate_argnums=(0, 1) if donate else ()))
+                    out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ()))
         self.mesh, self.rules, self.donate = mesh, rules, donate
 
     def lower(self, state, batch, data) -> tuple[list[jax.stages.Lowered], dict[str, float]]:
