@@ -38,7 +38,7 @@ def column_tiles(n: int) -> list:
 def over_tiles(n: int, body, init=None):
     """``body(cols, carry) -> carry`` folded over the tiles of :data:`KT` of ``n`` columns as a
     loop in the kernel, not unrolled: an unrolled tile is thousands of register loads and stores
-    in the module, each copy compiled again by ptxas."""
+    in the module, each copy compiled again by ptxas. Without ``init`` the body returns nothing."""
     return lax.fori_loop(0, n // KT, lambda i, carry: body(pl.ds(i * KT, KT), carry), init)
 
 

@@ -117,14 +117,13 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
             x_s.at[:, ch][...] = g_cum  # g is spent: G's last row is read back from here
         plgpu.commit_smem()
 
-        def gate_tile(ch, carry):
+        def gate_tile(ch, _):
             factors = gate_factors(x_s.at[:, ch], mask_refs, bi, ni)
             products = gated_operands(q_ref.at[bi, tok, hi, ch], k_ref.at[bi, tok, hi, ch],
                                       factors, scale)
             for ref, x in zip(product_refs, products):
                 ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]
-            return carry
 
         over_tiles(dk, gate_tile)
 

@@ -280,11 +280,10 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
         def level(lg, scores, kind):  # the pairs of one anchored level
             # Channel tiles as a loop in the kernel: unrolled, they made the module 1.5x larger
             # (and slower to compile) for no speed.
-            def operands(t, carry):
+            def operands(t, _):
                 er, ec = _level_decays(kind, lg, g_s.at[t], p_s, [part.at[t] for part in g_parts])
                 _scaled_operands(kind, er, ec, q_s.at[t], k_s.at[t], bp_s.at[t], br_s.at[t],
                                  ap_s.at[t])
-                return carry
 
             lax.fori_loop(0, nh, operands, None)
             plgpu.commit_smem()

@@ -209,12 +209,11 @@ def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
         store_split(t, (t_hi, t_lo))
         for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk),
                                                (v_ref, True, u_ref, dv)):
-            def product_tile(cols, carry, z_ref=z_ref, token_major=token_major, out_ref=out_ref):
+            def product_tile(cols, _):  # traced at once, in this iteration
                 store_split(_scaled_tile(z_ref, at, cols, beta_rows, token_major)[1], (z_hi, z_lo))
                 plgpu.commit_smem()
                 out = _product((t_hi, t_lo), (z_hi, z_lo))
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
-                return carry
 
             over_tiles(n, product_tile)
 
@@ -237,8 +236,7 @@ def _operand_grads(at, beta_rows, terms, t_parts, scratch):
     sums = (plgpu.layout_cast(jnp.zeros(FULL, F32), WG),
             plgpu.layout_cast(jnp.zeros((CHUNK,), F32), ROW))
     for z_ref, token_major, dout_ref, dz_ref, n in terms:
-        def grad_tile(cols, sums, z_ref=z_ref, token_major=token_major, dout_ref=dout_ref,
-                      dz_ref=dz_ref):
+        def grad_tile(cols, sums):  # traced at once, in this iteration
             z, scaled = _scaled_tile(z_ref, at, cols, beta_rows, token_major)
             store_split(load(_view(dout_ref, at, cols)).astype(F32), (a_hi, a_lo))
             store_split(scaled, (b_hi, b_lo))

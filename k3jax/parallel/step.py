@@ -112,7 +112,9 @@ class MeshStep:
         arguments, the mesh and the process's environment
         (:func:`~k3jax.parallel.executable_cache.program_key`); when the key is there already,
         they are loaded on a worker thread instead, with nothing traced. A stored file that does
-        not load is compiled again (on that worker) and replaced.
+        not load is traced, lowered and compiled again on that worker, so with jax's options as
+        they are then (the sharded initialisation may have switched the GPU's threefry lowering
+        on meanwhile, which gives the same bits), and replaced.
         """
         done: Future = Future()
         args = (state, batch, data)

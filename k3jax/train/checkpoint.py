@@ -29,6 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from k3jax.config.base import ConfigError
+from k3jax.files import write_atomically
 
 # Sections of the config that must match to resume (the rest, e.g. train.steps, may change).
 MUST_MATCH = ("model", "optim.name", "train.micro_batches", "data.task", "data.tokenizer",
@@ -197,9 +198,8 @@ def write_manifest(step_dir: Path) -> None:
     """Hash every file of a finished save; written last (atomically), so its presence says the
     save completed."""
     files = {str(f.relative_to(step_dir)): _file_entry(f) for f in _files(step_dir)}
-    tmp = step_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=0))
-    tmp.replace(step_dir / MANIFEST)
+    write_atomically(step_dir / MANIFEST, json.dumps({"algorithm": "sha256", "files": files},
+                                                     indent=0))
 
 
 def verify_manifest(step_dir: Path) -> None:
