@@ -81,6 +81,30 @@ def least_squares_step():
     return TrainStep(gradients, update)
 
 
+def least_squares_args(mesh, rules, rows: int = 16):
+    """``(args, abstract)`` for :func:`least_squares_step` over ``mesh``: ``(state, batch,
+    schedule)`` as arrays (state and schedule replicated, the batch split as the loop splits it;
+    ``w [4, 3]``, ``x [rows, 4]``, ``y [rows, 3]``, ``lr = 0.1``) and as their abstract shapes."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from k3jax.parallel import batch_sharding
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(0)
+    state = jax.device_put({"params": {"w": rng.normal(size=(4, 3)).astype(np.float32)}},
+                           replicated)
+    batch = jax.device_put({"x": rng.normal(size=(rows, 4)).astype(np.float32),
+                            "y": rng.normal(size=(rows, 3)).astype(np.float32)},
+                           batch_sharding(mesh, rules))
+    schedule = jax.device_put({"lr": np.float32(0.1)}, replicated)
+    args = (state, batch, schedule)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            args)
+    return args, abstract
+
+
 def free_port() -> int:
     """A TCP port on localhost that is free right now (for a jax.distributed coordinator)."""
     import socket

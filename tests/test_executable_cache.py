@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import least_squares_step
+from helpers import least_squares_args, least_squares_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config.mesh import MeshConfig
@@ -24,17 +24,7 @@ from k3jax.parallel.step import MeshStep
 def toy():
     mesh = make_mesh(MeshConfig())
     rules = MeshConfig().rules
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rng = np.random.default_rng(0)
-    state = jax.device_put({"params": {"w": rng.normal(size=(4, 3)).astype(np.float32)}},
-                           replicated)
-    rows = 2 * len(jax.devices())
-    batch = {"x": rng.normal(size=(rows, 4)).astype(np.float32),
-             "y": rng.normal(size=(rows, 3)).astype(np.float32)}
-    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-    schedule = jax.device_put({"lr": np.float32(0.1)}, replicated)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            (state, batch, schedule))
+    args, abstract = least_squares_args(mesh, rules)
 
     def compile_step(cache, description="toy"):
         step = MeshStep(least_squares_step(), abstract[0], mesh, rules)
@@ -42,7 +32,7 @@ def toy():
         compiled.stored.result()  # the file is written after the step is handed out
         return compiled
 
-    return {"mesh": mesh, "args": (state, batch, schedule), "abstract": abstract,
+    return {"mesh": mesh, "args": args, "abstract": abstract,
             "compile": compile_step}
 
 

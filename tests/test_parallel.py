@@ -16,7 +16,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from helpers import init, least_squares_step, small_config
+from helpers import init, least_squares_args, least_squares_step, small_config
 from jax.sharding import PartitionSpec as P
 
 import k3jax.parallel as kp
@@ -153,15 +153,9 @@ def test_the_update_donates_the_state_alone_and_jax_warns_of_nothing():
     leaves the donations to XLA and says nothing."""
     cfg = MeshConfig()
     mesh = kp.make_mesh(cfg, jax.devices()[:1])
-    replicated = jax.NamedSharding(mesh, P())
-    rng = np.random.default_rng(0)
-    w = rng.normal(size=(4, 3)).astype(np.float32)
-    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
-    state = jax.device_put({"params": {"w": w}}, replicated)
-    batch = jax.device_put({"x": x, "y": y}, kp.batch_sharding(mesh, cfg.rules))
-    schedule = jax.device_put({"lr": np.float32(0.1)}, replicated)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            (state, batch, schedule))
+    (state, batch, schedule), abstract = least_squares_args(mesh, cfg.rules)
+    # Copies: a zero-copy view of the state on the CPU would keep its buffer from being donated.
+    w, x, y = (np.array(a) for a in (state["params"]["w"], batch["x"], batch["y"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers")
         step = kp.sharded_step(least_squares_step(), abstract[0], mesh, cfg.rules, donate=True)
