@@ -162,8 +162,8 @@ def test_the_update_donates_the_state_alone_and_jax_warns_of_nothing():
         compiled = step.compile_async(*abstract).result()
     new, _ = compiled.run(state, batch, schedule)
     assert state["params"]["w"].is_deleted()
-    expected = w - 0.1 * 2 * x.T @ (x @ w - y) / y.size
-    np.testing.assert_allclose(np.asarray(new["params"]["w"]), expected, rtol=1e-5)
+    expected = w - 0.1 * 2 * x.T @ (x @ w - y) / y.size  # one SGD step, in numpy
+    assert rel_rms(expected, new["params"]["w"]) <= FP32_TOL  # math §10: fp32, another order
 
 
 # -- sharded initialisation ----------------------------------------------------------------------
