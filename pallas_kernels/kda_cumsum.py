@@ -29,7 +29,6 @@ from pallas_kernels._mgpu import (
     F32,
     KT,
     SPLITS,
-    column_tiles,
     iota,
     kernel,
     load,
@@ -42,15 +41,17 @@ from pallas_kernels._mgpu import (
 from pallas_kernels.kda_gates import gate_factors, gated_operands
 
 
-def _chunk_sums(x_s, tri_s, parts, dk):
-    """``[(channel slice, Tri @ x on that tile)]``: ``x_s`` plain SMEM ``[C, dk]`` fp32, ``Tri`` in
-    ``tri_s``, ``x`` split into the bf16 ``parts`` (one ``[nh, C, KT]`` tile set each)."""
-    channels = column_tiles(dk)
-    for t, ch in enumerate(channels):
-        store_split(load(x_s.at[:, ch]), [part.at[t] for part in parts])
-    plgpu.commit_smem()
-    return [(ch, matmul((CHUNK, KT), *[(tri_s, part.at[t]) for part in parts]))
-            for t, ch in enumerate(channels)]
+def _chunk_sums(x_s, tri_s, parts, dk, emit):
+    """``emit(channel slice, Tri @ x on that tile)`` per channel tile, a loop in the kernel:
+    ``x_s`` plain SMEM ``[C, dk]`` fp32, ``Tri`` in ``tri_s``, ``x`` split into the bf16 ``parts``
+    (one ``[C, KT]`` tile each, reused by every channel tile)."""
+    def tile(ch, carry):
+        store_split(load(x_s.at[:, ch]), parts)
+        plgpu.commit_smem()
+        emit(ch, matmul((CHUNK, KT), *[(tri_s, part) for part in parts]))
+        return carry
+
+    over_tiles(dk, tile)
 
 
 def _triangle(tri_s, upper: bool) -> None:
@@ -58,15 +59,16 @@ def _triangle(tri_s, upper: bool) -> None:
     tri_s[...] = jnp.where(rows <= cols if upper else rows >= cols, 1.0, 0.0).astype(BF16)
 
 
-def _triangular_sums(x_view, upper: bool, dk, scratch):
+def _triangular_sums(x_view, upper: bool, dk, scratch, emit):
     """This CTA's chunk of ``x`` (the GMEM view ``x_view``, ``[C, dk]`` fp32) into SMEM by TMA, then
-    ``Tri @ x`` per channel tile (:func:`_chunk_sums`); ``scratch``: :func:`_scratch`'s refs."""
+    ``emit(channel slice, Tri @ x)`` per channel tile (:func:`_chunk_sums`); ``scratch``:
+    :func:`_scratch`'s refs."""
     x_s, tri_s, *rest = scratch
     parts, bar = rest[:SPLITS], rest[SPLITS]
     plgpu.copy_gmem_to_smem(x_view, x_s, bar)
     _triangle(tri_s, upper)
     plgpu.barrier_wait(bar)
-    return _chunk_sums(x_s, tri_s, parts, dk)
+    _chunk_sums(x_s, tri_s, parts, dk, emit)
 
 
 def _this_chunk():
@@ -77,7 +79,7 @@ def _this_chunk():
 
 def _scratch(dk):
     return (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)),
-            *(tiles((dk // KT, CHUNK, KT)) for _ in range(SPLITS)), plgpu.Barrier(num_arrivals=1))
+            *(tiles((CHUNK, KT)) for _ in range(SPLITS)), plgpu.Barrier(num_arrivals=1))
 
 
 def _reverse_call(dg_cum, *, interpret: bool):
@@ -87,8 +89,11 @@ def _reverse_call(dg_cum, *, interpret: bool):
 
     def body(x_ref, o_ref, *scratch):
         bi, hi, _, tok = _this_chunk()
-        for ch, out in _triangular_sums(x_ref.at[bi, hi, tok], True, dk, scratch):
+
+        def emit(ch, out):
             o_ref.at[bi, tok, hi, ch][...] = out
+
+        _triangular_sums(x_ref.at[bi, hi, tok], True, dk, scratch, emit)
 
     run = kernel(body, "kda_cumsum_bwd", interpret,
                  out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
@@ -112,9 +117,12 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
         (gc_ref, *product_refs, gam_ref), scratch = refs[:5], refs[5:]
         x_s = scratch[0]
         bi, hi, ni, tok = _this_chunk()
-        for ch, g_cum in _triangular_sums(g_ref.at[bi, tok, hi], False, dk, scratch):
+
+        def emit(ch, g_cum):
             gc_ref.at[bi, hi, tok, ch][...] = g_cum
             x_s.at[:, ch][...] = g_cum  # g is spent: G's last row is read back from here
+
+        _triangular_sums(g_ref.at[bi, tok, hi], False, dk, scratch, emit)
         plgpu.commit_smem()
 
         def gate_tile(ch, _):
