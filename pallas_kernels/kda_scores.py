@@ -212,14 +212,11 @@ def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
     carry = level(LOG_LEVELS[0], carry, TOP)
     bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")] != 0
 
-    @pl.when(bounded)
-    def _():
-        finish(level(BOUNDED_LG, carry, BOUNDED))
-
-    @pl.when(jnp.logical_not(bounded))
-    def _():
+    def exact(carry):
         split_g()
-        finish(_exact_levels_below_top(level, carry))
+        return _exact_levels_below_top(level, carry)
+
+    finish(lax.cond(bounded, lambda c: level(BOUNDED_LG, c, BOUNDED), exact, carry))
 
 
 def bounded_chunks(g_cum):
