@@ -38,7 +38,7 @@ from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size",))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save"))
 _state_bwd_jit = shared_lowering(state_bwd, ("chunk_size",))
 
 
@@ -50,9 +50,8 @@ def _bf16(x):
 def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
     """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest
     fp32."""
-    o, final, _, _ = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size,
-                                    interpret=interpret)
-    return o, final
+    return _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, save=False,
+                          interpret=interpret)
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):

@@ -192,20 +192,23 @@ def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):
     return raw, raw * beta_rows
 
 
-def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
+def _fwd_call(akk, beta, xk, v, *, w_dtype, save_t: bool, interpret):
     """Raw forward kernel:
-    ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``."""
+    ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``, without ``T``
+    (kept for the backward) unless ``save_t``."""
     nb, h, tp, _ = akk.shape
     dk, dv = xk.shape[-1], v.shape[-1]
 
-    def body(akk_ref, beta_ref, xk_ref, v_ref, t_ref, w_ref, u_ref,
-             l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo):
+    def body(akk_ref, beta_ref, xk_ref, v_ref, *refs):
+        t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
+        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo = refs
         at = _this_chunk()
         beta_rows = _beta_rows(beta_ref, at)
         l_s[...] = _scaled_tile(akk_ref, at, ALL, beta_rows)[1]  # L above the diagonal: never read
         plgpu.commit_smem()
         t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
-        _view(t_ref, at, ALL)[...] = t
+        if save_t:
+            _view(t_ref, at, ALL)[...] = t
         store_split(t, (t_hi, t_lo))
         for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk),
                                                (v_ref, True, u_ref, dv)):
@@ -222,7 +225,7 @@ def _fwd_call(akk, beta, xk, v, *, w_dtype, interpret):
     scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
                *(tiles(FULL) for _ in range(4)))
     sds = jax.ShapeDtypeStruct
-    out_type = (sds(akk.shape, F32), sds(xk.shape, w_dtype), sds((nb, h, tp, dv), F32))
+    out_type = (sds(akk.shape, F32),) * save_t + (sds(xk.shape, w_dtype), sds((nb, h, tp, dv), F32))
     run = kernel(body, "kda_wy_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(akk, beta, xk, v)
@@ -294,18 +297,17 @@ def _bwd_call(t, akk, beta, xk, v, dw, du, *, interpret):
     return run(t, akk, beta, xk, v, dw, du)
 
 
-_fwd_jit = shared_lowering(_fwd_call, ("w_dtype",))
+_fwd_jit = shared_lowering(_fwd_call, ("w_dtype", "save_t"))
 _bwd_jit = shared_lowering(_bwd_call, ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _wy(akk, beta, xk, v, w_dtype, interpret):
-    _, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, interpret=interpret)
-    return w, u
+    return _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, save_t=False, interpret=interpret)
 
 
 def _wy_fwd(akk, beta, xk, v, w_dtype, interpret):
-    t, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, interpret=interpret)
+    t, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, save_t=True, interpret=interpret)
     return (w, u), (t, akk, beta, xk, v)
 
 

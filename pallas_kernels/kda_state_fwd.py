@@ -40,8 +40,10 @@ from pallas_kernels._mgpu import (
 BLOCK_V = 64
 
 
-def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool = False):
-    """Run the forward state pass.
+def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
+              interpret: bool = False):
+    """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
+    kept for it.
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
@@ -49,18 +51,20 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
 
     Returns:
       ``(o [B, Tp, H, V] bf16, final [B, H, K, V] fp32, states [B, H, NC, K, V] bf16,
-      vt [B, H, Tp, V] bf16)``.
+      vt [B, H, Tp, V] bf16)``, the last two only with ``save``.
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
     nc, bv = tp // c, BLOCK_V
     out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
-                jax.ShapeDtypeStruct((b, h, dk, dv), F32),
-                jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
-                jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
+                jax.ShapeDtypeStruct((b, h, dk, dv), F32))
+    if save:
+        out_type += (jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
+                     jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
-    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, st_ref, vt_ref,
-             qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done):
+    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, *refs):
+        (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
+        qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done = refs
         bi, hi, vi, wg = (lax.axis_index(n) for n in ("b", "h", "v", "wg"))
         cols = pl.ds(vi * bv, bv)
 
@@ -81,15 +85,18 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, interpret: bool 
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # so have chunk n-2's stores
                 s_s.at[slot][...] = s.astype(BF16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols],
-                                        commit_group=False)
+                if save:
+                    plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols],
+                                            commit_group=False)
                 vt = load(u_s.at[slot]) - matmul((c, bv), (w_s.at[slot], s_s.at[slot]))
                 vt_s.at[slot][...] = vt.astype(BF16)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot])
-                plgpu.copy_smem_to_gmem(vt_s.at[slot], vt_ref.at[bi, hi, pl.ds(n * c, c), cols],
-                                        commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                if save:
+                    plgpu.copy_smem_to_gmem(vt_s.at[slot],
+                                            vt_ref.at[bi, hi, pl.ds(n * c, c), cols],
+                                            commit_group=False)
+                    plgpu.commit_smem_to_gmem_group()
                 decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
                 return s * decay + matmul((dk, bv), (kg_s.at[slot].T, vt_s.at[slot]))
 

@@ -136,11 +136,13 @@ def test_state_kernels_match_plain_jax(dv):
 
     p, (ro, rf), (do, dfin), (rp, rh0) = reference(args)
     h0 = args[5]
-    fwd = jax.jit(lambda p, h0: state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u,
-                                          _bf16(p.aqk), p.gamma, h0, chunk_size=64,
-                                          interpret=True))
-    o, f, st, vt = fwd(p, h0)
+    fwd = jax.jit(lambda p, h0, save: state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u,
+                                                _bf16(p.aqk), p.gamma, h0, chunk_size=64,
+                                                save=save, interpret=True), static_argnums=2)
+    o, f, st, vt = fwd(p, h0, True)
     assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
+    for saved, alone in zip((o, f), fwd(p, h0, False), strict=True):  # no backward: same outputs
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(alone))
     assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
     bwd = jax.jit(lambda p, st, vt, do, dfin: state_bwd(
         _bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma, st, vt,
@@ -183,8 +185,9 @@ def test_state_kernels_lower_for_cuda():
     bf, f32 = jnp.bfloat16, jnp.float32
     fwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(d, f32), rows(c, bf),
               sd((b, h, nc, d), f32), sd((b, h, d, d), f32))
-    jax.jit(lambda *a: state_fwd(*a, chunk_size=c)).trace(*fwd_in).lower(
-        lowering_platforms=("cuda",))
+    for save in (True, False):
+        jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save)).trace(*fwd_in).lower(
+            lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
               sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf),
               sd((b, h, d, d), f32))
