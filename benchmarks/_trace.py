@@ -1,11 +1,13 @@
 """Reading ``jax.profiler`` traces: the device's kernels, each tied to the HLO instruction that
 launched it, and that instruction's category and source (the model code it was traced from).
 
-A kernel event in an ``.xplane.pb`` file carries the name of its HLO instruction (the ``hlo_op``
-stat); the compiled module's text (``compiled.as_text()``) gives that instruction's opcode, fusion
-kind, custom-call target and ``op_name`` metadata, i.e. the JAX name stack of the code it came
-from. On the CPU the "kernels" are the XLA runtime's thunks, which carry the same stats, so the
-whole path runs (and is tested) without a GPU.
+A kernel event in an ``.xplane.pb`` file carries the names of its HLO module and instruction (the
+``hlo_module`` and ``hlo_op`` stats); the compiled modules' text (``compiled.as_text()``) gives that
+instruction's opcode, fusion kind, custom-call target and ``op_name`` metadata, i.e. the JAX name
+stack of the code it came from. Instruction names are unique within a module only: a step compiled
+as two programs has fusions of the same name in both, so instructions are looked up in the
+kernel's own module. On the CPU the "kernels" are the XLA runtime's thunks, which carry the same
+stats, so the whole path runs (and is tested) without a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Kernel:
     start_ns: float
     duration_ns: float
     hlo_op: str | None
+    module: str | None = None  # the HLO module's name (``jit_update``)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ def host_events(path: str) -> list[tuple[str, str, float]]:
 
 def _kernel(event) -> Kernel:
     stats = dict(event.stats)
-    return Kernel(event.name, event.start_ns, event.duration_ns, stats.get("hlo_op"))
+    return Kernel(event.name, event.start_ns, event.duration_ns, stats.get("hlo_op"),
+                  stats.get("hlo_module"))
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
@@ -81,12 +85,21 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
 
 
-def hlo_instructions(hlo_text: str) -> dict[str, Instr]:
-    """``{instruction name: Instr}`` of every instruction in an HLO module's text."""
-    out = {}
+_MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
+    """``{module name: {instruction name: Instr}}`` of every instruction in the text of one or
+    more HLO modules (each begins with its ``HloModule NAME`` line)."""
+    modules: dict[str, dict[str, Instr]] = {}
+    out = modules.setdefault("", {})  # instructions before any module line
     for line in hlo_text.splitlines():
+        module = _MODULE.match(line)
+        if module:
+            out = modules.setdefault(module.group(1), {})
+            continue
         m = _INSTR.match(line)
-        if not m or line.lstrip().startswith(("HloModule", "//")):
+        if not m or line.lstrip().startswith("//"):
             continue
         rest = m.group(2)
         op = _OPCODE.match(rest)
@@ -95,7 +108,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instr]:
         out[m.group(1)] = Instr(op.group(1), _field(r"kind=(k\w+)", rest),
                                 _field(r'custom_call_target="([^"]+)"', rest),
                                 _field(r'op_name="([^"]*)"', rest) or "")
-    return out
+    return {name: instrs for name, instrs in modules.items() if instrs}
 
 
 def _field(pattern: str, text: str) -> str | None:
@@ -111,14 +124,17 @@ _WRAPPER = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|rematted_
 _LAYER = re.compile(r"^(layer_\d+|block_\d+_scan|scanned_layers|K3Model.*|LayerGroup.*)$")
 
 
-def instruction_of(kernel: Kernel, instrs: dict[str, Instr]) -> Instr | None:
-    """The HLO instruction that launched ``kernel``. Inside a command buffer (a CUDA graph XLA
-    records for a run of thunks) the ``hlo_op`` stat names the buffer, not the instruction; the
-    kernel of a fusion is then named after it, ``.`` written as ``_`` (``loop_add_fusion_3`` for
-    ``loop_add_fusion.3``)."""
+def instruction_of(kernel: Kernel, modules: dict[str, dict[str, Instr]]) -> Instr | None:
+    """The HLO instruction that launched ``kernel``, looked up in the kernel's module, or, for a
+    kernel that names none, in the one module that has it. Inside a command buffer (a CUDA graph
+    XLA records for a run of thunks) the ``hlo_op`` stat names the buffer, not the instruction;
+    the kernel of a fusion is then named after it, ``.`` written as ``_`` (``loop_add_fusion_3``
+    for ``loop_add_fusion.3``)."""
+    tables = ([modules[kernel.module]] if kernel.module in modules else list(modules.values()))
     for name in (kernel.hlo_op, kernel.name, re.sub(r"_(\d+)$", r".\1", kernel.name)):
-        if name and name in instrs:
-            return instrs[name]
+        found = [t[name] for t in tables if name and name in t]
+        if len(found) == 1:
+            return found[0]
     return None
 
 
@@ -191,10 +207,11 @@ def busy_ns(kernels: list[Kernel]) -> float:
     return total
 
 
-def summarize(kernels: list[Kernel], instrs: dict[str, Instr]) -> dict:
-    """Totals by category and by (category, pass, source), over all ``kernels``:
+def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dict:
+    """Totals by category and by (category, pass, source), over all ``kernels`` (``instrs``: of
+    :func:`hlo_instructions`):
     ``{"kernel_ns", "busy_ns", "span_ns", "categories": Counter, "sources": Counter,
-    "ops": {(kernel, hlo_op): [ns, calls, category, pass, source]}}``."""
+    "ops": {(kernel, hlo_op, module): [ns, calls, category, pass, source]}}``."""
     cats, srcs, ops = collections.Counter(), collections.Counter(), {}
     for k in kernels:
         instr = instruction_of(k, instrs)
@@ -204,7 +221,7 @@ def summarize(kernels: list[Kernel], instrs: dict[str, Instr]) -> dict:
                             "command_buffer") else source(""))
         cats[cat] += k.duration_ns
         srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
-        row = ops.setdefault((k.name, k.hlo_op), [0.0, 0, cat, where, scope])
+        row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope])
         row[0] += k.duration_ns
         row[1] += 1
     span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)

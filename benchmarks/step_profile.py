@@ -125,7 +125,7 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
     busy = summary["kernel_ns"] or 1.0
     per = lambda ns: round(ns / steps / 1e6, 3)
     counts = {}
-    for (_, _), (_, calls, cat, _, _) in summary["ops"].items():
+    for _, (_, calls, cat, _, _) in summary["ops"].items():
         counts[cat] = counts.get(cat, 0) + calls // steps
     for cat, ns in summary["categories"].most_common():
         emit({"category": cat, "ms": per(ns), "share": round(ns / busy, 4),
@@ -135,9 +135,10 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
               "share": round(ns / busy, 4)})
     if out_dir:
         with open(f"{out_dir}/ops.jsonl", "w") as f:
-            for (name, op), (ns, calls, cat, where, scope) in sorted(
+            for (name, op, module), (ns, calls, cat, where, scope) in sorted(
                     summary["ops"].items(), key=lambda kv: -kv[1][0]):
-                f.write(json.dumps({"kernel": name[:200], "hlo_op": op, "category": cat,
+                f.write(json.dumps({"kernel": name[:200], "hlo_op": op, "module": module,
+                                    "category": cat,
                                     "pass": where, "source": scope, "ms": per(ns),
                                     "calls": calls // steps}) + "\n")
     print(f"\n{'category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)

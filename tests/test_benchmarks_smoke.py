@@ -131,3 +131,38 @@ def test_kda_scores_variants_lower_for_sm90():
     assert len(sizes) == 2 * len(variants)
     for kernel in ("fwd", "bwd"):
         assert len({size for (_, k), size in sizes.items() if k == kernel}) == len(variants)
+
+
+def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
+    """Two programs whose fusions have the same instruction names (a step compiled as its
+    gradient and update programs): each kernel's source comes from its own module's text."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _trace import device_kernels, hlo_instructions, summarize, trace_files
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def scoped(name):  # module jit_<name>, its fusion under the scope <name>
+        def f(x):
+            with jax.named_scope(name):
+                return jnp.sin(x) * 2.0 + 1.0
+        f.__name__ = name
+        return jax.jit(f)
+
+    first, second = scoped("first_program"), scoped("second_program")
+    x = jnp.ones((4096,))
+    compiled = [f.lower(x).compile() for f in (first, second)]
+    hlo = "\n".join(c.as_text() for c in compiled)
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(compiled[1](compiled[0](x)))
+    (kernels,) = [k for path in trace_files([str(tmp_path)])
+                  for k in device_kernels(path).values()]
+    modules = hlo_instructions(hlo)
+    assert len(modules) == 2
+    shared = set.intersection(*(set(m) for m in modules.values()))
+    assert any("fusion" in name for name in shared)  # the collision this guards against
+    scopes = {scope.split("/")[0] for (_, _, scope) in summarize(kernels, modules)["sources"]}
+    assert {"first_program", "second_program"} <= scopes, scopes
