@@ -211,8 +211,10 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
     """Totals by category and by (category, pass, source), over all ``kernels`` (``instrs``: of
     :func:`hlo_instructions`):
     ``{"kernel_ns", "busy_ns", "span_ns", "categories": Counter, "sources": Counter,
+    "programs": Counter (by HLO module),
     "ops": {(kernel, hlo_op, module): [ns, calls, category, pass, source]}}``."""
-    cats, srcs, ops = collections.Counter(), collections.Counter(), {}
+    cats, srcs, programs, ops = (collections.Counter(), collections.Counter(),
+                                 collections.Counter(), {})
     for k in kernels:
         instr = instruction_of(k, instrs)
         cat = category(k, instr)
@@ -220,6 +222,7 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
                         ("-", "(in a command buffer)") if (k.hlo_op or "").startswith(
                             "command_buffer") else source(""))
         cats[cat] += k.duration_ns
+        programs[k.module or "(unnamed)"] += k.duration_ns
         srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
         row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope])
         row[0] += k.duration_ns
@@ -227,4 +230,4 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
     span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
             if kernels else 0.0)
     return {"kernel_ns": sum(cats.values()), "busy_ns": busy_ns(kernels), "span_ns": span,
-            "categories": cats, "sources": srcs, "ops": ops}
+            "categories": cats, "sources": srcs, "programs": programs, "ops": ops}

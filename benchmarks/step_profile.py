@@ -12,6 +12,7 @@ start to the first step done), runs ``--warmup`` steps, times ``--steps`` steps 
      "busy_ms", "gap_ms", "temp_GiB"}                  # per step; gap = device idle inside a step
     {"category": "matmul" | "attention" | "mosaic:<kernel>" | "fusion" | "copy" | "memset" |
      "collective" | ..., "ms": ..., "share": ..., "kernels": ...}   # per step, share of busy time
+    {"program": "jit_gradients" | "jit_update", "ms": ..., "share": ...}   # per step
     {"source": "MLALayer/kv_norm/mul", "category": "fusion", "pass": "fwd" | "bwd", "ms", "share"}
 
 then a short table. A source is the JAX name stack of the instruction (``op_name`` metadata) with
@@ -21,9 +22,9 @@ Kernels that XLA records into command buffers (CUDA graphs) do not name their in
 library and Mosaic kernels are still sorted by their names, but their source reads ``(in a
 command buffer)``; ``--attribute`` turns command buffers off so every kernel names its source
 (on an H200 the k3_small step ran within a few percent of its usual time that way).
-``--out DIR`` also writes ``ops.jsonl`` there (every distinct kernel with its instruction,
-category, source and time per step) and ``hlo.txt.gz`` (the compiled module, whose instruction
-names ``ops.jsonl`` refers to); ``--keep-trace`` keeps the trace under it too.
+``--out DIR`` also writes ``ops.jsonl`` there (every distinct kernel with its program,
+instruction, category, source and time per step) and ``hlo.txt.gz`` (the compiled modules, whose
+instruction names ``ops.jsonl`` refers to); ``--keep-trace`` keeps the trace under it too.
 
     PYTHONPATH=. python benchmarks/step_profile.py --config k3_small        # one GPU, its batch
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_profile.py --config k3_tiny \\
@@ -130,6 +131,8 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
     for cat, ns in summary["categories"].most_common():
         emit({"category": cat, "ms": per(ns), "share": round(ns / busy, 4),
               "kernels": counts.get(cat, 0)})
+    for program, ns in summary["programs"].most_common():
+        emit({"program": program, "ms": per(ns), "share": round(ns / busy, 4)})
     for (cat, where, scope), ns in summary["sources"].most_common(top):
         emit({"source": scope, "category": cat, "pass": where, "ms": per(ns),
               "share": round(ns / busy, 4)})
@@ -141,9 +144,9 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
                                     "category": cat,
                                     "pass": where, "source": scope, "ms": per(ns),
                                     "calls": calls // steps}) + "\n")
-    print(f"\n{'category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)
-    for cat, ns in summary["categories"].most_common(12):
-        print(f"{cat[:33]:<34}{per(ns):>10.2f}{ns / busy:>8.1%}", file=sys.stderr)
+    print(f"\n{'program / category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)
+    for name, ns in [*summary["programs"].most_common(), *summary["categories"].most_common(12)]:
+        print(f"{name[:33]:<34}{per(ns):>10.2f}{ns / busy:>8.1%}", file=sys.stderr)
     print(f"\n{'source':<58}{'pass':>5}{'ms/step':>10}{'share':>8}", file=sys.stderr)
     for (cat, where, scope), ns in summary["sources"].most_common(min(top, 20)):
         print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}",

@@ -48,8 +48,11 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
     assert "other" not in cats  # no kernel without its instruction
     assert abs(sum(r["share"] for r in cats.values()) - 1) < 1e-3
     assert any("source" in r for r in rows)
+    programs = {r["program"]: r["ms"] for r in rows if "program" in r}
+    assert set(programs) == {"jit_gradients", "jit_update"}, programs  # the step's two programs
     ops = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     assert ops and all(op["calls"] >= 1 for op in ops)
+    assert {op["module"] for op in ops} == set(programs)
     # From every kernel, not the printed top sources: their order follows timings, which a
     # loaded machine shuffles.
     scopes = {op["source"].split("/")[0] for op in ops}
