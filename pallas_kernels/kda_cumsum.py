@@ -45,11 +45,10 @@ def _chunk_sums(x_s, tri_s, parts, dk, emit):
     """``emit(channel slice, Tri @ x on that tile)`` per channel tile, a loop in the kernel:
     ``x_s`` plain SMEM ``[C, dk]`` fp32, ``Tri`` in ``tri_s``, ``x`` split into the bf16 ``parts``
     (one ``[C, KT]`` tile each, reused by every channel tile)."""
-    def tile(ch, carry):
+    def tile(ch, _):
         store_split(load(x_s.at[:, ch]), parts)
         plgpu.commit_smem()
         emit(ch, matmul((CHUNK, KT), *[(tri_s, part) for part in parts]))
-        return carry
 
     over_tiles(dk, tile)
 
