@@ -87,17 +87,33 @@ class MeshStep:
                     out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ()))
         self.mesh, self.rules, self.donate = mesh, rules, donate
 
-    def lower(self, state, batch, data) -> tuple[list[jax.stages.Lowered], dict[str, float]]:
-        """Both programs traced, then lowered, under the mesh for these (abstract) arguments;
-        with the seconds of the two stages (``trace_s``, ``lower_s``)."""
+    def lower(self, state, batch, data, compile_each=None
+              ) -> tuple[list[jax.stages.Lowered], dict[str, float]]:
+        """Both programs traced and lowered under the mesh for these (abstract) arguments, the
+        gradients first; with the seconds of the two stages (``trace_s``, ``lower_s``).
+        ``compile_each(lowered)``, when given, is called on each program as soon as it is
+        lowered (the gradients' compile, the longer, then starts while the update is traced)."""
         gradients, update = self.parts
-        with use_mesh(self.mesh, self.rules):
+        seconds = {"trace_s": 0.0, "lower_s": 0.0}
+
+        def stage(name, work):
             t0 = time.perf_counter()
-            traced_grads = gradients.trace(state, batch)
-            traced = [traced_grads, update.trace(state, *traced_grads.out_info, data)]
-            t1 = time.perf_counter()
-            lowered = [t.lower() for t in traced]
-        return lowered, {"trace_s": t1 - t0, "lower_s": time.perf_counter() - t1}
+            out = work()
+            seconds[name] += time.perf_counter() - t0
+            return out
+
+        def lowered(traced):
+            program = stage("lower_s", traced.lower)
+            if compile_each is not None:
+                compile_each(program)
+            return program
+
+        with use_mesh(self.mesh, self.rules):
+            traced_grads = stage("trace_s", lambda: gradients.trace(state, batch))
+            programs = [lowered(traced_grads)]
+            programs.append(lowered(stage("trace_s", lambda: update.trace(
+                state, *traced_grads.out_info, data))))
+        return programs, seconds
 
     def compile_async(self, state, batch, data, cache: ExecutableCache | None = None,
                       description: object = None) -> Future:
@@ -105,7 +121,9 @@ class MeshStep:
 
         Traced and lowered on this thread (lowering reads jax's global config, which the caller
         may change next, e.g. while initialising), then compiled by XLA on two worker threads, one
-        per program, while the caller sets up the state.
+        per program, while the caller sets up the state. The gradient program, the longer to
+        compile, starts compiling as soon as it is lowered, while the update is traced and
+        lowered.
 
         With a ``cache``, the programs are stored there once compiled, under a key made of
         ``description`` (everything the step is built from besides the source: its configs), the
@@ -122,16 +140,30 @@ class MeshStep:
         if cache is not None and cache.has(key):
             work, work_args = self._load, (cache, key, args, done)
         else:
-            work, work_args = self._compile, (self.lower(*args), cache, key, done)
+            work, work_args = self._finish, (self._start_compiles(args), cache, key, done)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
 
-    def _compile(self, lowered_seconds, cache, key, done: Future) -> None:
-        lowered, seconds = lowered_seconds
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(lowered), thread_name_prefix="compile-step") as pool:
-            parts = tuple(pool.map(jax.stages.Lowered.compile, lowered))
+    def _start_compiles(self, args):
+        """``(futures of the compiled programs, stage seconds, compile start)``: each program
+        compiles on its own worker thread from the moment it is lowered."""
+        pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="compile-step")
+        futures, started = [], []
+
+        def compile_each(lowered):
+            started.append(started[0] if started else time.perf_counter())
+            futures.append(pool.submit(jax.stages.Lowered.compile, lowered))
+
+        try:
+            _, seconds = self.lower(*args, compile_each=compile_each)
+        finally:
+            pool.shutdown(wait=False)  # the workers finish what they were given
+        return futures, seconds, started[0]
+
+    def _finish(self, compiles, cache, key, done: Future) -> None:
+        futures, seconds, t0 = compiles
+        parts = tuple(f.result() for f in futures)
         stored: Future = Future()
         done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
                                      stored))
@@ -150,7 +182,7 @@ class MeshStep:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._compile(self.lower(*args), cache, key, done)
+            return self._finish(self._start_compiles(args), cache, key, done)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
@@ -168,7 +200,8 @@ def _settle(done: Future, work, args) -> None:
 class CompiledStep(NamedTuple):
     """:meth:`MeshStep.compile_async`'s result: the compiled gradient and update programs and
     ``seconds``: ``trace_s`` and ``lower_s`` (both programs, on the caller's thread) and
-    ``compile_s`` (XLA, from the workers' start until both are done), or ``load_s`` alone when
+    ``compile_s`` (XLA, from the first worker's start until both are done: it overlaps the
+    update's trace and lowering), or ``load_s`` alone when
     they came from the executable cache; ``stored``: a future of the cache file that holds them
     (None without a cache), done once it is written."""
 
