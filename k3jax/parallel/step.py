@@ -152,7 +152,8 @@ class MeshStep:
         futures, started = [], []
 
         def compile_each(lowered):
-            started.append(started[0] if started else time.perf_counter())
+            if not started:
+                started.append(time.perf_counter())
             futures.append(pool.submit(jax.stages.Lowered.compile, lowered))
 
         try:
@@ -201,9 +202,9 @@ class CompiledStep(NamedTuple):
     """:meth:`MeshStep.compile_async`'s result: the compiled gradient and update programs and
     ``seconds``: ``trace_s`` and ``lower_s`` (both programs, on the caller's thread) and
     ``compile_s`` (XLA, from the first worker's start until both are done: it overlaps the
-    update's trace and lowering), or ``load_s`` alone when
-    they came from the executable cache; ``stored``: a future of the cache file that holds them
-    (None without a cache), done once it is written."""
+    update's trace and lowering), or ``load_s`` alone when they came from the executable cache;
+    ``stored``: a future of the cache file that holds them (None without a cache), done once it
+    is written."""
 
     parts: tuple[jax.stages.Compiled, jax.stages.Compiled]
     seconds: dict[str, float]
