@@ -100,3 +100,27 @@ def test_source_digest_sees_every_edit(tmp_path):
     (tmp_path / "pkg" / "c.py").rename(tmp_path / "pkg" / "d.py")
     renamed = source_digest([tmp_path])
     assert len({before, edited, added, renamed}) == 4
+
+
+def test_the_gradient_program_is_handed_to_its_compile_before_the_update_is_traced(toy):
+    """The longer compile starts first: the gradients' lowered program goes to ``compile_each``
+    while the update is still to be traced (the two programs' compiles then overlap it)."""
+    mesh, rules = toy["mesh"], MeshConfig().rules
+    step = MeshStep(least_squares_step(), toy["abstract"][0], mesh, rules)
+    gradients, update = step.parts
+    events = []
+
+    class RecordedUpdate:  # the update program, its tracing recorded
+        def trace(self, *args):
+            events.append("trace update")
+            return update.trace(*args)
+
+    step.parts = (gradients, RecordedUpdate())
+    programs, _ = step.lower(*toy["abstract"],
+                             compile_each=lambda program: events.append("compile"))
+    assert events == ["compile", "trace update", "compile"]
+    compiled = [program.compile() for program in programs]
+    outputs = compiled[1](toy["args"][0], *compiled[0](*toy["args"][:2]), toy["args"][2])
+    reference = toy["compile"](None).run(*toy["args"])
+    for a, b in zip(jax.tree.leaves(outputs), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
