@@ -13,7 +13,9 @@ stats, so the whole path runs (and is tested) without a GPU.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ class Instr:
     kind: str | None  # fusion kind (kLoop, kInput, kOutput, kCustom)
     target: str | None  # custom-call target
     op_name: str  # JAX name stack, '' when XLA made the instruction itself
+    # Bytes of its operands and results: what one run of the instruction moves, reading each
+    # operand once (an upper bound for one that reads a slice of an operand).
+    bytes: int = 0
 
 
 def trace_files(paths: list[str]) -> list[str]:
@@ -88,10 +93,23 @@ _OPCODE = re.compile(r"^(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
 _MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
 
 
+_ARRAY = re.compile(r"\b(pred|bf16|[fsu]\d+|f8\w*)\[([\d,]*)\]")
+_OPERAND = re.compile(r"%([^\s,()]+)")
+
+
+def _array_bytes(shape_text: str) -> int:
+    """Bytes of the arrays in an HLO shape (``f32[8,4]{1,0}`` or a tuple of them)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        bits = 8 if dtype == "pred" or dtype.startswith("f8") else int(re.sub(r"\D", "", dtype))
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
 def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
     """``{module name: {instruction name: Instr}}`` of every instruction in the text of one or
     more HLO modules (each begins with its ``HloModule NAME`` line)."""
-    modules: dict[str, dict[str, Instr]] = {}
+    modules: dict[str, dict[str, tuple]] = {}
     out = modules.setdefault("", {})  # instructions before any module line
     for line in hlo_text.splitlines():
         module = _MODULE.match(line)
@@ -105,10 +123,15 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
         op = _OPCODE.match(rest)
         if op is None:
             continue
-        out[m.group(1)] = Instr(op.group(1), _field(r"kind=(k\w+)", rest),
-                                _field(r'custom_call_target="([^"]+)"', rest),
-                                _field(r'op_name="([^"]*)"', rest) or "")
-    return {name: instrs for name, instrs in modules.items() if instrs}
+        operands = _OPERAND.findall(rest[op.end():].split(")", 1)[0])
+        out[m.group(1)] = (Instr(op.group(1), _field(r"kind=(k\w+)", rest),
+                                 _field(r'custom_call_target="([^"]+)"', rest),
+                                 _field(r'op_name="([^"]*)"', rest) or ""),
+                           _array_bytes(rest[:op.start(1)]), operands)
+    return {name: {i: dataclasses.replace(instr, bytes=own + sum(
+                       parsed[o][1] for o in operands if o in parsed))
+                   for i, (instr, own, operands) in parsed.items()}
+            for name, parsed in modules.items() if parsed}
 
 
 def _field(pattern: str, text: str) -> str | None:
@@ -211,10 +234,10 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
     """Totals by category and by (category, pass, source), over all ``kernels`` (``instrs``: of
     :func:`hlo_instructions`):
     ``{"kernel_ns", "busy_ns", "span_ns", "categories": Counter, "sources": Counter,
-    "programs": Counter (by HLO module),
-    "ops": {(kernel, hlo_op, module): [ns, calls, category, pass, source]}}``."""
-    cats, srcs, programs, ops = (collections.Counter(), collections.Counter(),
-                                 collections.Counter(), {})
+    "source_bytes": Counter (the bytes their instructions move), "programs": Counter (by HLO
+    module), "ops": {(kernel, hlo_op, module): [ns, calls, category, pass, source, bytes]}}``."""
+    cats, srcs, moved, programs, ops = (collections.Counter(), collections.Counter(),
+                                        collections.Counter(), collections.Counter(), {})
     for k in kernels:
         instr = instruction_of(k, instrs)
         cat = category(k, instr)
@@ -224,10 +247,13 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
         cats[cat] += k.duration_ns
         programs[k.module or "(unnamed)"] += k.duration_ns
         srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
-        row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope])
+        moved[(cat.split(":")[0], where, scope)] += instr.bytes if instr else 0
+        row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope, 0])
         row[0] += k.duration_ns
         row[1] += 1
+        row[5] += instr.bytes if instr else 0
     span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
             if kernels else 0.0)
     return {"kernel_ns": sum(cats.values()), "busy_ns": busy_ns(kernels), "span_ns": span,
-            "categories": cats, "sources": srcs, "programs": programs, "ops": ops}
+            "categories": cats, "sources": srcs, "source_bytes": moved, "programs": programs,
+            "ops": ops}

@@ -13,7 +13,8 @@ start to the first step done), runs ``--warmup`` steps, times ``--steps`` steps 
     {"category": "matmul" | "attention" | "mosaic:<kernel>" | "fusion" | "copy" | "memset" |
      "collective" | ..., "ms": ..., "share": ..., "kernels": ...}   # per step, share of busy time
     {"program": "jit_gradients" | "jit_update", "ms": ..., "share": ...}   # per step
-    {"source": "MLALayer/kv_norm/mul", "category": "fusion", "pass": "fwd" | "bwd", "ms", "share"}
+    {"source": "MLALayer/kv_norm/mul", "category": "fusion", "pass": "fwd" | "bwd", "ms", "share",
+     "GB", "TB_s"}        # bytes the instructions read and write a step, and their rate
 
 then a short table. A source is the JAX name stack of the instruction (``op_name`` metadata) with
 transforms and layer indices dropped, so the same op in every layer adds up; ``bwd`` marks the
@@ -126,31 +127,42 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
     busy = summary["kernel_ns"] or 1.0
     per = lambda ns: round(ns / steps / 1e6, 3)
     counts = {}
-    for _, (_, calls, cat, _, _) in summary["ops"].items():
+    for _, (_, calls, cat, *_) in summary["ops"].items():
         counts[cat] = counts.get(cat, 0) + calls // steps
     for cat, ns in summary["categories"].most_common():
         emit({"category": cat, "ms": per(ns), "share": round(ns / busy, 4),
               "kernels": counts.get(cat, 0)})
     for program, ns in summary["programs"].most_common():
         emit({"program": program, "ms": per(ns), "share": round(ns / busy, 4)})
-    for (cat, where, scope), ns in summary["sources"].most_common(top):
+    for key, ns in summary["sources"].most_common(top):
+        cat, where, scope = key
         emit({"source": scope, "category": cat, "pass": where, "ms": per(ns),
-              "share": round(ns / busy, 4)})
+              "share": round(ns / busy, 4), **_traffic(summary["source_bytes"][key], ns, steps)})
     if out_dir:
         with open(f"{out_dir}/ops.jsonl", "w") as f:
-            for (name, op, module), (ns, calls, cat, where, scope) in sorted(
+            for (name, op, module), (ns, calls, cat, where, scope, moved) in sorted(
                     summary["ops"].items(), key=lambda kv: -kv[1][0]):
                 f.write(json.dumps({"kernel": name[:200], "hlo_op": op, "module": module,
-                                    "category": cat,
-                                    "pass": where, "source": scope, "ms": per(ns),
-                                    "calls": calls // steps}) + "\n")
+                                    "category": cat, "pass": where, "source": scope,
+                                    "ms": per(ns), "calls": calls // steps,
+                                    **_traffic(moved, ns, steps)}) + "\n")
     print(f"\n{'program / category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)
     for name, ns in [*summary["programs"].most_common(), *summary["categories"].most_common(12)]:
         print(f"{name[:33]:<34}{per(ns):>10.2f}{ns / busy:>8.1%}", file=sys.stderr)
-    print(f"\n{'source':<58}{'pass':>5}{'ms/step':>10}{'share':>8}", file=sys.stderr)
-    for (cat, where, scope), ns in summary["sources"].most_common(min(top, 20)):
-        print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}",
-              file=sys.stderr)
+    print(f"\n{'source':<58}{'pass':>5}{'ms/step':>10}{'share':>8}{'TB/s':>7}", file=sys.stderr)
+    for key, ns in summary["sources"].most_common(min(top, 20)):
+        cat, where, scope = key
+        rate = _traffic(summary["source_bytes"][key], ns, steps).get("TB_s")
+        print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}"
+              f"{'' if rate is None else f'{rate:7.2f}'}", file=sys.stderr)
+
+
+def _traffic(moved: int, ns: float, steps: int) -> dict:
+    """``GB`` a step and ``TB_s`` of the bytes the kernels' instructions read and write (their
+    operands and results once each, from the compiled HLO's shapes), when known."""
+    if not moved or not ns:
+        return {}
+    return {"GB": round(moved / steps / 1e9, 3), "TB_s": round(moved / ns / 1e3, 2)}
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
     ops = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     assert ops and all(op["calls"] >= 1 for op in ops)
     assert {op["module"] for op in ops} == set(programs)
+    assert any(op.get("GB", 0) > 0 for op in ops if op["category"] == "fusion")
     # From every kernel, not the printed top sources: their order follows timings, which a
     # loaded machine shuffles.
     scopes = {op["source"].split("/")[0] for op in ops}
@@ -169,3 +170,7 @@ def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     assert any("fusion" in name for name in shared)  # the collision this guards against
     scopes = {scope.split("/")[0] for (_, _, scope) in summarize(kernels, modules)["sources"]}
     assert {"first_program", "second_program"} <= scopes, scopes
+    # A fusion moves its operand and its result once each: 2 x 4096 fp32 values.
+    for instrs in modules.values():
+        (fusion,) = [i for i in instrs.values() if i.opcode == "fusion"]
+        assert fusion.bytes == 2 * 4096 * 4, fusion
