@@ -174,3 +174,28 @@ def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     for instrs in modules.values():
         (fusion,) = [i for i in instrs.values() if i.opcode == "fusion"]
         assert fusion.bytes == 2 * 4096 * 4, fusion
+
+
+def test_profile_diff_sorts_the_changes_and_totals_each_program(tmp_path):
+    def ops(path, rows):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    kernel = {"module": "jit_gradients", "category": "fusion", "pass": "bwd"}
+    before = ops(tmp_path / "a.jsonl", [
+        {**kernel, "source": "kda/mixer/split", "ms": 6.0},
+        {**kernel, "source": "kda/mixer/split", "ms": 1.0},  # two kernels of one source add up
+        {**kernel, "source": "moe/norm", "ms": 2.0},
+        {**kernel, "module": "jit_update", "source": "optimizer/add", "ms": 3.0}])
+    after = ops(tmp_path / "b.jsonl", [
+        {**kernel, "source": "kda/mixer/split", "ms": 2.5},
+        {**kernel, "source": "moe/norm", "ms": 2.5},
+        {**kernel, "source": "attnres/mix", "ms": 1.0}])
+    rows = _run(["benchmarks/profile_diff.py", before, after])
+    sources = [r for r in rows if r["source"] != "(all)"]
+    assert [(r["source"], r["delta_ms"]) for r in sources] == [
+        ("kda/mixer/split", -4.5), ("optimizer/add", -3.0), ("attnres/mix", 1.0),
+        ("moe/norm", 0.5)]
+    totals = {r["program"]: (r["before_ms"], r["after_ms"]) for r in rows
+              if r["source"] == "(all)"}
+    assert totals == {"jit_gradients": (9.0, 6.0), "jit_update": (3.0, 0.0)}
