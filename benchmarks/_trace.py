@@ -244,14 +244,16 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
         where, scope = (source(instr.op_name) if instr else
                         ("-", "(in a command buffer)") if (k.hlo_op or "").startswith(
                             "command_buffer") else source(""))
+        nbytes = instr.bytes if instr else 0
         cats[cat] += k.duration_ns
         programs[k.module or "(unnamed)"] += k.duration_ns
-        srcs[(cat.split(":")[0], where, scope)] += k.duration_ns
-        moved[(cat.split(":")[0], where, scope)] += instr.bytes if instr else 0
+        key = (cat.split(":")[0], where, scope)
+        srcs[key] += k.duration_ns
+        moved[key] += nbytes
         row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope, 0])
         row[0] += k.duration_ns
         row[1] += 1
-        row[5] += instr.bytes if instr else 0
+        row[5] += nbytes
     span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
             if kernels else 0.0)
     return {"kernel_ns": sum(cats.values()), "busy_ns": busy_ns(kernels), "span_ns": span,

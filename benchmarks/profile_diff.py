@@ -31,24 +31,23 @@ def per_source(path: str) -> collections.Counter:
     return totals
 
 
-def diff(before: collections.Counter, after: collections.Counter) -> list[dict]:
-    """One row per source in either profile, the largest change first, then one row per program
-    with its totals."""
-    rows = []
-    for key in before.keys() | after.keys():
-        program, cat, source, where = key
-        a, b = float(before[key]), float(after[key])
-        rows.append({"program": program, "category": cat, "source": source, "pass": where,
-                     "before_ms": round(a, 3), "after_ms": round(b, 3),
-                     "delta_ms": round(b - a, 3)})
-    rows.sort(key=lambda r: (-abs(r["delta_ms"]), r["source"]))
-    programs = sorted({r["program"] for r in rows})
-    for program in programs:
-        a = sum(v for k, v in before.items() if k[0] == program)
-        b = sum(v for k, v in after.items() if k[0] == program)
-        rows.append({"program": program, "source": "(all)", "before_ms": round(float(a), 3),
-                     "after_ms": round(float(b), 3), "delta_ms": round(b - a, 3)})
-    return rows
+def diff(before: collections.Counter, after: collections.Counter
+         ) -> tuple[list[dict], list[dict]]:
+    """``(changes, totals)``: one row per source in either profile, the largest change first, and
+    one row per program with its totals."""
+    def row(names: dict, a, b) -> dict:
+        return {**names, "before_ms": round(float(a), 3), "after_ms": round(float(b), 3),
+                "delta_ms": round(float(b - a), 3)}
+
+    keys = before.keys() | after.keys()
+    changes = sorted((row(dict(zip(("program", "category", "source", "pass"), key)),
+                          before[key], after[key]) for key in keys),
+                     key=lambda r: (-abs(r["delta_ms"]), r["source"]))
+    totals = [row({"program": program, "source": "(all)"},
+                  sum(v for k, v in before.items() if k[0] == program),
+                  sum(v for k, v in after.items() if k[0] == program))
+              for program in sorted({k[0] for k in keys})]
+    return changes, totals
 
 
 def main(argv=None) -> None:
@@ -57,13 +56,12 @@ def main(argv=None) -> None:
     ap.add_argument("after", help="ops.jsonl of the second profile")
     ap.add_argument("--top", type=int, default=30, help="sources to print (the totals follow)")
     args = ap.parse_args(argv)
-    rows = diff(per_source(args.before), per_source(args.after))
-    sources = [r for r in rows if r["source"] != "(all)"]
-    for row in sources[:args.top] + [r for r in rows if r["source"] == "(all)"]:
+    changes, totals = diff(per_source(args.before), per_source(args.after))
+    for row in changes[:args.top] + totals:
         print(json.dumps(row))
     print(f"\n{'program / source':<60}{'pass':>5}{'before':>9}{'after':>9}{'delta':>9}",
           file=sys.stderr)
-    for row in sources[:min(args.top, 20)] + [r for r in rows if r["source"] == "(all)"]:
+    for row in changes[:min(args.top, 20)] + totals:
         name = row["program"] if row["source"] == "(all)" else f"{row['category']} {row['source']}"
         print(f"{name[:59]:<60}{row.get('pass', ''):>5}{row['before_ms']:>9.2f}"
               f"{row['after_ms']:>9.2f}{row['delta_ms']:>+9.2f}", file=sys.stderr)

@@ -134,10 +134,11 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
               "kernels": counts.get(cat, 0)})
     for program, ns in summary["programs"].most_common():
         emit({"program": program, "ms": per(ns), "share": round(ns / busy, 4)})
-    for key, ns in summary["sources"].most_common(top):
-        cat, where, scope = key
+    sources = [(key, ns, _traffic(summary["source_bytes"][key], ns, steps))
+               for key, ns in summary["sources"].most_common(top)]
+    for (cat, where, scope), ns, traffic in sources:
         emit({"source": scope, "category": cat, "pass": where, "ms": per(ns),
-              "share": round(ns / busy, 4), **_traffic(summary["source_bytes"][key], ns, steps)})
+              "share": round(ns / busy, 4), **traffic})
     if out_dir:
         with open(f"{out_dir}/ops.jsonl", "w") as f:
             for (name, op, module), (ns, calls, cat, where, scope, moved) in sorted(
@@ -150,9 +151,8 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
     for name, ns in [*summary["programs"].most_common(), *summary["categories"].most_common(12)]:
         print(f"{name[:33]:<34}{per(ns):>10.2f}{ns / busy:>8.1%}", file=sys.stderr)
     print(f"\n{'source':<58}{'pass':>5}{'ms/step':>10}{'share':>8}{'TB/s':>7}", file=sys.stderr)
-    for key, ns in summary["sources"].most_common(min(top, 20)):
-        cat, where, scope = key
-        rate = _traffic(summary["source_bytes"][key], ns, steps).get("TB_s")
+    for (cat, where, scope), ns, traffic in sources[:20]:
+        rate = traffic.get("TB_s")
         print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}"
               f"{'' if rate is None else f'{rate:7.2f}'}", file=sys.stderr)
 
