@@ -82,7 +82,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                 plgpu.barrier_wait(state_in.at[slot])
                 # chunk n-2's outputs read it
                 pl.when(n >= 2)(lambda: plgpu.barrier_wait(free.at[slot]))
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # so have chunk n-2's stores
+                if save:  # chunk n-2's stores of S and Vt have read this slot
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 s_s.at[slot][...] = s.astype(BF16)
                 plgpu.commit_smem()
                 if save:
