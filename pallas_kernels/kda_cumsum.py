@@ -29,6 +29,7 @@ from pallas_kernels._mgpu import (
     F32,
     KT,
     SPLITS,
+    column_tiles,
     iota,
     kernel,
     load,
@@ -38,7 +39,7 @@ from pallas_kernels._mgpu import (
     store_split,
     tiles,
 )
-from pallas_kernels.kda_gates import gate_factors, gated_operands
+from pallas_kernels.kda_gates import bounded_channels, gate_factors, gated_operands
 
 
 def _chunk_sums(x_s, tri_s, parts, dk, emit):
@@ -102,40 +103,65 @@ def _reverse_call(dg_cum, *, interpret: bool):
 
 def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     """The cumsum that also writes the gated operands (:mod:`pallas_kernels.kda_gates`) while it
-    holds ``G``: ``(G [B, H, Tp, K] fp32, Qg, Kg, Xk [B, H, Tp, K] bf16, gamma [B, H, NC, K] fp32)``
-    from ``g [B, Tp, H, K]`` fp32 and ``q, k [B, Tp, H, K]`` bf16 (read GMEM -> registers, once
-    each, so the kernel's SMEM stays that of the plain cumsum); ``masks``: ``()`` or
-    ``(seg, enter, leave)``."""
+    holds ``G``: ``(G [B, H, Tp, K] fp32, Qg, Kg, Xk [B, H, Tp, K] bf16, gamma [B, H, NC, K] fp32,
+    bounded [B, H, NC, K] fp32)`` from ``g [B, Tp, H, K]`` fp32 and ``q, k [B, Tp, H, K]`` bf16;
+    ``bounded`` is :func:`~pallas_kernels.kda_gates.bounded_channels` per chunk; ``masks``: ``()``
+    or ``(seg, enter, leave)``.
+
+    Every operand comes in and every product goes out by TMA: ``q`` and ``k`` arrive while the
+    cumsum runs, and each product is written over the tile it was made from (``Xk`` over ``G``'s
+    spent bf16 parts), so the kernel holds no staging buffers and two CTAs still share an SM.
+    (Register loads and stores straight from and to GMEM left this kernel at about half of HBM's
+    bandwidth: every load's latency was exposed.)"""
     nb, tp, h, dk = g.shape
+    nh = dk // KT
     heads_major = lambda dt: jax.ShapeDtypeStruct((nb, h, tp, dk), dt)  # noqa: E731
-    out_type = (heads_major(F32), *(heads_major(BF16) for _ in range(3)),
-                jax.ShapeDtypeStruct((nb, h, tp // CHUNK, dk), F32))
+    per_chunk = jax.ShapeDtypeStruct((nb, h, tp // CHUNK, dk), F32)
+    out_type = (heads_major(F32), *(heads_major(BF16) for _ in range(3)), per_chunk, per_chunk)
 
     def body(g_ref, q_ref, k_ref, *refs):
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
-        (gc_ref, *product_refs, gam_ref), scratch = refs[:5], refs[5:]
-        x_s = scratch[0]
+        (gc_ref, qg_ref, kg_ref, xk_ref, gam_ref, ok_ref), refs = refs[:6], refs[6:]
+        x_s, tri_s, parts_s, qk_s, g_bar, qk_bar = refs
         bi, hi, ni, tok = _this_chunk()
+        plgpu.copy_gmem_to_smem(g_ref.at[bi, tok, hi], x_s, g_bar)
+        for t, ch in enumerate(column_tiles(dk)):
+            for i, src in enumerate((q_ref, k_ref)):
+                plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qk_s.at[i, t], qk_bar)
+        _triangle(tri_s, upper=False)
+        plgpu.barrier_wait(g_bar)
 
         def emit(ch, g_cum):
-            gc_ref.at[bi, hi, tok, ch][...] = g_cum
-            x_s.at[:, ch][...] = g_cum  # g is spent: G's last row is read back from here
+            x_s.at[:, ch][...] = g_cum  # g is spent: G takes its place
 
-        _triangular_sums(g_ref.at[bi, tok, hi], False, dk, scratch, emit)
+        _chunk_sums(x_s, tri_s, [parts_s.at[i] for i in range(SPLITS)], dk, emit)
         plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_s, gc_ref.at[bi, hi, tok])
+        plgpu.barrier_wait(qk_bar)
 
-        def gate_tile(ch, _):
+        def gate_tile(t, _):
+            ch, q_s, k_s = pl.ds(t * KT, KT), qk_s.at[0, t], qk_s.at[1, t]
             factors = gate_factors(x_s.at[:, ch], mask_refs, bi, ni)
-            products = gated_operands(q_ref.at[bi, tok, hi, ch], k_ref.at[bi, tok, hi, ch],
-                                      factors, scale)
-            for ref, x in zip(product_refs, products):
-                ref.at[bi, hi, tok, ch][...] = x.astype(BF16)
+            products = gated_operands(q_s, k_s, factors, scale)
+            for dst, x in zip((q_s, k_s, parts_s.at[t]), products):
+                dst[...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]
+            ok_ref.at[bi, hi, ni, ch][...] = bounded_channels(x_s.at[:, ch])
 
-        over_tiles(dk, gate_tile)
+        lax.fori_loop(0, nh, gate_tile, None)
+        plgpu.commit_smem()
+        for t, ch in enumerate(column_tiles(dk)):
+            for src, dst in ((qk_s.at[0, t], qg_ref), (qk_s.at[1, t], kg_ref),
+                             (parts_s.at[t], xk_ref)):
+                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, tok, ch])
+        plgpu.wait_smem_to_gmem(0)
 
+    assert nh <= SPLITS  # Xk's tiles reuse G's parts
+    scratch = (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)), tiles((SPLITS, CHUNK, KT)),
+               tiles((2, nh, CHUNK, KT)), plgpu.Barrier(num_arrivals=1),
+               plgpu.Barrier(num_arrivals=2 * nh))
     run = kernel(body, "kda_cumsum_gates", interpret, approx_math=True, out_type=out_type,
-                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=_scratch(dk))
+                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(g, q, k, *masks)
 
 
@@ -145,8 +171,11 @@ _cumsum_gates_jit = shared_lowering(_cumsum_gates_call, ("scale",))
 
 def cumsum_and_gates(g, q, k, masks=(), *, scale: float, interpret: bool = False):
     """Raw forward of the cumsum with the gated operands (:func:`_cumsum_gates_call`; no VJP of its
-    own: :func:`pallas_kernels.kda_scores.gated_scores` owns the chain rule)."""
-    return _cumsum_gates_jit(g, q, k, tuple(masks), scale=scale, interpret=interpret)
+    own: :func:`pallas_kernels.kda_scores.gated_scores` owns the chain rule):
+    ``(G, Qg, Kg, Xk, gamma, flags)`` with ``flags [B, H, NC]`` int32, equal to
+    :func:`~pallas_kernels.kda_gates.bounded_chunks` of ``G``."""
+    *outs, ok = _cumsum_gates_jit(g, q, k, tuple(masks), scale=scale, interpret=interpret)
+    return (*outs, jnp.min(ok, axis=-1).astype(jnp.int32))
 
 
 def reverse_cumsum(dg_cum, *, interpret: bool = False):

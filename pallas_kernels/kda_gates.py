@@ -38,6 +38,9 @@ from pallas_kernels._mgpu import (
     store_split,
 )
 
+BOUNDED_LG = 4  # the scores' fast path factors 32-row blocks (2^(lg + 1)) through their row 16
+BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
+
 
 class SegmentMasks(NamedTuple):
     """Packed documents, per token ``[B, Tp]`` (shared by the heads; see ``kda_prep``): ``seg``
@@ -60,6 +63,29 @@ def same_segment(masks, bi, tok):
     seg_ref = masks[0]
     return (per_row(load(seg_ref.at[bi, tok], ROW), (CHUNK, CHUNK))
             == per_col(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
+
+
+def anchor_rows(lg: int, g_ref):
+    """``[C, KT]`` fp32: row ``x`` holds ``G`` at the middle row of ``x``'s block of ``2^(lg + 1)``
+    rows, a broadcast of one of the plain SMEM tile ``g_ref``'s rows (no tensor-core work)."""
+    span = 2 << lg
+    rows = iota((CHUNK, KT), 0)
+    anchor = None
+    for start in range(0, CHUNK, span):
+        row = per_col(load(g_ref.at[start + span // 2], COL), (CHUNK, KT))
+        anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
+    return anchor
+
+
+def bounded_channels(g_tile):
+    """``[KT]`` COL fp32: 1 for a channel of the plain SMEM tile ``g_tile`` (``G``, ``[C, KT]``)
+    whose every row lies within :data:`BOUND` nats of its 32-row block's row 16, else 0 (also for a
+    NaN): a chunk whose channels are all 1 takes the scores' bounded path
+    (:func:`bounded_chunks`)."""
+    spread = jnp.abs(load(g_tile) - anchor_rows(BOUNDED_LG, g_tile))
+    # The min over rows spans the warpgroup's four warps, which Mosaic reduces through one SMEM
+    # scratch per kernel: only a kernel of one warpgroup may call this (see _last_row_sums).
+    return jnp.min(jnp.where(spread <= BOUND, 1.0, 0.0), axis=0)
 
 
 def gate_factors(g_tile, masks, bi, ni):
@@ -140,6 +166,20 @@ def gate_products(q, k, g_cum, scale: float, masks: SegmentMasks | None):
     return flat(scale * q * into), flat(k * to_end), flat(k * into), gamma
 
 
+def bounded_chunks(g_cum):
+    """``[B, H, NC]`` int32: 1 where every row of each 32-row block of the chunk lies within
+    :data:`BOUND` nats (every channel) of the block's row 16, the chunks the scores' fast path may
+    take (the cumsum kernel's flags, in plain JAX).
+
+    g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay. A NaN fails the test (exact path).
+    """
+    nb, h, tp, dk = g_cum.shape
+    g = g_cum.astype(F32).reshape(nb, h, tp // CHUNK, CHUNK // 32, 32, dk)
+    mid = g[..., 16:17, :]
+    span = jnp.max(jnp.abs(g - mid), axis=(-3, -2, -1))
+    return (span <= BOUND).astype(jnp.int32)
+
+
 def same_segment_reference(masks: SegmentMasks | None, shape):
     """``[B, 1, Tp, C]`` fp32 0/1: rows ``r`` and ``j`` of a chunk in one segment (ones without
     masks)."""
@@ -150,5 +190,6 @@ def same_segment_reference(masks: SegmentMasks | None, shape):
     return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
 
 
-__all__ = ["SegmentMasks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
+__all__ = ["BOUND", "BOUNDED_LG", "SegmentMasks", "anchor_rows", "bounded_channels",
+           "bounded_chunks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
            "gate_products", "same_segment_reference"]

@@ -89,18 +89,21 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
-    per_col,
     per_row,
     shared_lowering,
     store_split,
     tiles,
 )
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
-from pallas_kernels.kda_gates import SegmentMasks, gate_products, same_segment_reference
+from pallas_kernels.kda_gates import (
+    BOUNDED_LG,
+    SegmentMasks,
+    bounded_chunks,
+    gate_products,
+    same_segment_reference,
+)
 
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
-BOUNDED_LG = 4  # the fast path's second level: 32-row blocks anchored at their row 16
-BOUND = 80.0  # nats of decay a bounded level's factor may span (exp(80) ~ 5.5e34 < bf16 / fp32 max)
 
 
 # --------------------------------------------------------------------------- in-kernel helpers
@@ -126,19 +129,6 @@ def _anchors(p_ref, parts):
     cores: one nonzero product per entry and bf16 parts that sum to ``G``, so exact to fp32
     rounding."""
     return matmul((CHUNK, KT), *[(p_ref, part) for part in parts])
-
-
-def _fixed_anchors(lg: int, g_ref):
-    """``[C, KT]`` fp32 anchors of a level whose ``lg`` is static (the top level, the bounded
-    level): row ``x`` holds ``G[p(x)]``, a broadcast of one of the ``C / 2^(lg + 1)`` anchor rows of
-    the plain SMEM tile ``g_ref`` (no tensor-core work)."""
-    span = 2 << lg
-    rows = iota((CHUNK, KT), 0)
-    anchor = None
-    for start in range(0, CHUNK, span):
-        row = per_col(load(g_ref.at[start + span // 2], COL), (CHUNK, KT))
-        anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
-    return anchor
 
 
 def _decays(g, anchor, bounded: bool):
@@ -174,7 +164,7 @@ def _level_decays(kind: str, lg, g_ref, p_s, parts):
         plgpu.commit_smem()
         anchor = _anchors(p_s, parts)
     else:
-        anchor = _fixed_anchors(lg, g_ref)
+        anchor = gates.anchor_rows(lg, g_ref)
     return _decays(load(g_ref), anchor, kind == BOUNDED)
 
 
@@ -217,19 +207,6 @@ def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
         return _exact_levels_below_top(level, carry)
 
     finish(lax.cond(bounded, lambda c: level(BOUNDED_LG, c, BOUNDED), exact, carry))
-
-
-def bounded_chunks(g_cum):
-    """``[B, H, NC]`` int32: 1 where every row of each 32-row block of the chunk lies within
-    :data:`BOUND` nats (every channel) of the block's row 16, the chunks the fast path may take.
-
-    g_cum: ``[B, H, Tp, K]`` chunk-local cumulative log-decay. A NaN fails the test (exact path).
-    """
-    nb, h, tp, dk = g_cum.shape
-    g = g_cum.astype(F32).reshape(nb, h, tp // CHUNK, CHUNK // 32, 32, dk)
-    mid = g[..., 16:17, :]
-    span = jnp.max(jnp.abs(g - mid), axis=(-3, -2, -1))
-    return (span <= BOUND).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- forward kernel
@@ -446,8 +423,8 @@ def _gated(q, k, g, masks, scale, interpret):
 
 
 def _gated_fwd(q, k, g, masks, scale, interpret):
-    g_cum, qg, kg, xk, gamma = cumsum_and_gates(g, q, k, masks, scale=scale, interpret=interpret)
-    flags = bounded_chunks(g_cum)
+    g_cum, qg, kg, xk, gamma, flags = cumsum_and_gates(g, q, k, masks, scale=scale,
+                                                       interpret=interpret)
     aqk, akk = _fwd_jit(q, k, g_cum, flags, tuple(masks), scale=scale, interpret=interpret)
     return GatedScores(aqk, akk, qg, kg, xk, gamma), (q, k, g_cum, masks, flags)
 

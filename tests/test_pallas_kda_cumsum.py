@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from pallas_kernels import kda_cumsum
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
+from pallas_kernels.kda_gates import bounded_chunks
 
 
 @pytest.mark.parametrize("dk", [64, 128])
@@ -35,6 +37,28 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk):
     assert rel_rms(ref, out) <= FP32_TOL
     back = jax.jit(lambda ct: reverse_cumsum(ct, interpret=True))(ct)
     assert back.shape == g.shape and rel_rms(ref_back, back) <= FP32_TOL
+
+
+@pytest.mark.parametrize("dk", [64, 128])
+def test_bounded_flags_match_their_reference_on_both_sides_of_the_bound(dk):
+    """The kernel's per-chunk flags (the scores' fast path) equal ``bounded_chunks`` of the
+    sequential cumsum, on chunks at either side of ``BOUND``: a gate of -4.9 a token (78.4 nats
+    from a 32-row block's row 0 to its row 16: bounded), one channel of the last tile at -5.1
+    (81.6 nats: not bounded), one channel with a softplus gate (not bounded); the other head takes
+    K3's lower-bound gate (every chunk bounded)."""
+    b, t, h = 1, 4 * 64, 2
+    kg, kq = jax.random.split(jax.random.PRNGKey(1))
+    g = jnp.full((b, t, h, dk), -1.0)
+    g = g.at[:, 64:128, 0].set(-4.9)
+    g = g.at[:, 128:192, 0, dk - 1].set(-5.1)
+    g = g.at[:, 192:, 0, 3].set(-20.0 * jax.nn.softplus(jax.random.normal(kg, (b, 64))))
+    g = g.at[:, :, 1].set(-5.0 * jax.nn.sigmoid(jax.random.normal(kg, (b, t, dk))))
+    qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
+    flags = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[-1])(
+        g, qk)
+    expected = [[[1, 1, 0, 0], [1, 1, 1, 1]]]
+    np.testing.assert_array_equal(bounded_chunks(chunk_cumsum_reference(g)), expected)
+    np.testing.assert_array_equal(flags, expected)
 
 
 def test_kernels_lower_for_cuda():
