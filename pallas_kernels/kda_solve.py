@@ -3,9 +3,9 @@
 
 Per chunk of ``C = 64`` rows (one batch, head, chunk; one CTA) the kernel reads ``Akk`` (fp32),
 ``beta`` (fp32), ``xk = k exp(G)`` (``[C, K]``, head-major) and ``v`` (``[C, V]``, in the caller's
-token-major ``[B, T, H, V]`` layout) and scales them in registers: ``L[r, j] = beta_r Akk[r, j]``
-(``r > j``, strictly lower triangular), ``X = beta xk``, ``Y = beta v``, so XLA never writes these
-products to HBM. It forms ``T`` in two stages, no powers of ``L``:
+token-major ``[B, T, H, V]`` layout) and scales in registers ``L[r, j] = beta_r Akk[r, j]``
+(``r > j``, strictly lower triangular), so XLA never writes these products to HBM. It forms ``T``
+in two stages, no powers of ``L``:
 
 1. The four 16x16 diagonal blocks are inverted exactly in fp32 by forward elimination, all blocks
    at once (held stacked as one ``[C, 16]`` array): starting from ``S = I``, pivot ``j`` (row ``j``
@@ -13,14 +13,17 @@ products to HBM. It forms ``T`` in two stages, no powers of ``L``:
 2. The blocks are merged 16 -> 32 -> 64 with ``inv([[P, 0], [B, Q]]) = D - D B D``,
    ``D = diag(inv(P), inv(Q))``.
 
-then ``W`` and ``U`` in the same CTA, and saves ``T`` for the backward kernel, which forms
+then ``W = T X`` and ``U = T Y`` with ``X = beta xk``, ``Y = beta v`` in the same CTA, as
+``(T diag(beta)) xk`` and ``(T diag(beta)) v``: ``xk`` and ``v`` are the tensor cores' operands as
+they are (bf16, or an fp32 input's two bf16 parts), and ``beta`` scales ``T``'s columns once. It
+saves ``T`` for the backward kernel, which forms
 ``dT = dW X^T + dU Y^T``, ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -tril(T^T dT T^T, -1)``
 (``T = M^-1``, ``M = I + L``: ``dM = -T^T dT T^T``; only ``L``'s strictly lower entries are free),
 then through the scaling: ``dAkk = beta dL``, ``dxk = beta dX``, ``dv = beta dY`` (written
 token-major) and
 ``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
-Every product runs on the tensor cores with each operand split into a bf16 high and low part
-(three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time.
+Every product runs on the tensor cores with each fp32 operand split into a bf16 high and low part
+(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time.
 
 The blocked inverse (exact small diagonal blocks, then ``D - D B D`` merges) is the design of fla's
 ``solve_tril`` and of jax-linear-attention's Mosaic port, which also splits merge operands into bf16
@@ -53,8 +56,10 @@ from pallas_kernels._mgpu import (
     CHUNK,
     COL,
     F32,
+    KT,
     ROW,
     WG,
+    column_tiles,
     iota,
     kernel,
     load,
@@ -62,6 +67,7 @@ from pallas_kernels._mgpu import (
     over_tiles,
     per_col,
     per_row,
+    products,
     shared_lowering,
     store_split,
     tiles,
@@ -192,43 +198,67 @@ def _scaled_tile(ref, at: _Chunk, cols, beta_rows, token_major: bool = False):
     return raw, raw * beta_rows
 
 
-def _fwd_call(akk, beta, xk, v, *, w_dtype, save_t: bool, interpret):
+def bf16_parts(z):
+    """``z`` as the bf16 tensor-core operands whose sum is ``z``: itself if bf16, else a high and a
+    low part (~16 significant bits, as the kernels' other split products)."""
+    if z.dtype == BF16:
+        return (z,)
+    hi = z.astype(BF16)
+    return hi, (z.astype(F32) - hi.astype(F32)).astype(BF16)
+
+
+def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret):
     """Raw forward kernel:
     ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``, without ``T``
-    (kept for the backward) unless ``save_t``."""
-    nb, h, tp, _ = akk.shape
-    dk, dv = xk.shape[-1], v.shape[-1]
+    (kept for the backward) unless ``save_t``; ``xk_parts`` and ``v_parts``: :func:`bf16_parts` of
+    ``xk`` and ``v``.
 
-    def body(akk_ref, beta_ref, xk_ref, v_ref, *refs):
+    ``W = T (beta xk) = (T diag(beta)) xk``: ``beta`` scales ``T``'s columns once, so ``xk`` and
+    ``v`` go to the tensor cores as they are, from SMEM, where TMA brings them while ``T`` is
+    formed (read into registers when the products start, their latency was exposed in every
+    CTA), and every product of the chunk is issued at once."""
+    nb, h, tp, _ = akk.shape
+    dk, dv = xk_parts[0].shape[-1], v_parts[0].shape[-1]
+    operands = ((xk_parts, False, dk), (v_parts, True, dv))
+    n_copies = sum(len(parts) * (n // KT) for parts, _, n in operands)
+
+    def body(akk_ref, beta_ref, *refs):
+        n_in = len(xk_parts) + len(v_parts)
+        in_refs, refs = refs[:n_in], refs[n_in:]
         t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
-        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo = refs
+        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, xk_s, v_s, bar = refs
+        part_refs = (in_refs[:len(xk_parts)], in_refs[len(xk_parts):])
         at = _this_chunk()
+        for (parts, token_major, n), refs_, z_s in zip(operands, part_refs, (xk_s, v_s)):
+            for p, ref in enumerate(refs_):
+                for i, cols in enumerate(column_tiles(n)):
+                    plgpu.copy_gmem_to_smem(_view(ref, at, cols, token_major), z_s.at[p, i], bar)
         beta_rows = _beta_rows(beta_ref, at)
         l_s[...] = _scaled_tile(akk_ref, at, ALL, beta_rows)[1]  # L above the diagonal: never read
         plgpu.commit_smem()
         t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
         if save_t:
             _view(t_ref, at, ALL)[...] = t
-        store_split(t, (t_hi, t_lo))
-        for z_ref, token_major, out_ref, n in ((xk_ref, False, w_ref, dk),
-                                               (v_ref, True, u_ref, dv)):
-            def product_tile(cols, _):  # traced at once, in this iteration
-                store_split(_scaled_tile(z_ref, at, cols, beta_rows, token_major)[1], (z_hi, z_lo))
-                plgpu.commit_smem()
-                out = _product((t_hi, t_lo), (z_hi, z_lo))
+        store_split(t * per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL), (t_hi, t_lo))
+        plgpu.commit_smem()
+        plgpu.barrier_wait(bar)
+        for (parts, _, n), z_s, out_ref in zip(operands, (xk_s, v_s), (w_ref, u_ref)):
+            specs = [((CHUNK, KT), *[(tp_s, z_s.at[p, i]) for tp_s in (t_hi, t_lo)
+                                     for p in range(len(parts))])
+                     for i in range(n // KT)]
+            for cols, out in zip(column_tiles(n), products(*specs)):
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
 
-            over_tiles(n, product_tile)
-
-    # xk and v go from GMEM to registers, each read once: the kernel is latency-bound, and without
-    # their 64 KB of SMEM (K = V = 128) its SMEM no longer limits an SM to one CTA.
     scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-               *(tiles(FULL) for _ in range(4)))
+               *(tiles(FULL) for _ in range(4)),
+               *(tiles((len(parts), n // KT, CHUNK, KT)) for parts, _, n in operands),
+               plgpu.Barrier(num_arrivals=n_copies))
     sds = jax.ShapeDtypeStruct
-    out_type = (sds(akk.shape, F32),) * save_t + (sds(xk.shape, w_dtype), sds((nb, h, tp, dv), F32))
+    out_type = (sds(akk.shape, F32),) * save_t + (sds((nb, h, tp, dk), w_dtype),
+                                                  sds((nb, h, tp, dv), F32))
     run = kernel(body, "kda_wy_fwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(akk, beta, xk, v)
+    return run(akk, beta, *xk_parts, *v_parts)
 
 
 def _operand_grads(at, beta_rows, terms, t_parts, scratch):
@@ -303,11 +333,13 @@ _bwd_jit = shared_lowering(_bwd_call, ())
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _wy(akk, beta, xk, v, w_dtype, interpret):
-    return _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, save_t=False, interpret=interpret)
+    return _fwd_jit(akk, beta, bf16_parts(xk), bf16_parts(v), w_dtype=w_dtype, save_t=False,
+                    interpret=interpret)
 
 
 def _wy_fwd(akk, beta, xk, v, w_dtype, interpret):
-    t, w, u = _fwd_jit(akk, beta, xk, v, w_dtype=w_dtype, save_t=True, interpret=interpret)
+    t, w, u = _fwd_jit(akk, beta, bf16_parts(xk), bf16_parts(v), w_dtype=w_dtype, save_t=True,
+                       interpret=interpret)
     return (w, u), (t, akk, beta, xk, v)
 
 
