@@ -11,10 +11,10 @@ chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls 
     python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla]
                              [--out results.jsonl] [--breakdown [B,T,H,D]] [--profile DIR]
 
-``--profile DIR`` writes a ``jax.profiler`` trace of five forward+backward calls of each JAX
-implementation in ``--impls`` at the first shape to ``DIR/NAME``
-(``benchmarks/profile_top.py DIR/NAME`` sums its GPU kernels): which XLA fusions and kernels take
-the time.
+``--profile DIR`` writes ``jax.profiler`` traces of five forward calls and five forward+backward
+calls of each JAX implementation in ``--impls`` at the first shape to ``DIR/NAME/forward`` and
+``DIR/NAME/forward_backward`` (``benchmarks/profile_top.py --calls 5 DIR/NAME/forward`` sums its
+GPU kernels per call): which XLA fusions and kernels take the time.
 """
 
 from __future__ import annotations
@@ -137,19 +137,26 @@ def breakdown(args, iters: int = 10, repeats: int = 5):
             "prep_fwd_plus_vjp_ms": timed_ms(prep_vjp, args)}
 
 
-def profile_pair(op, args, out_dir: str, calls: int = 5) -> None:
-    """A ``jax.profiler`` trace of ``calls`` compiled forward+backward calls of ``op``, and the
-    optimized HLO of that call (``out_dir/hlo.txt.gz``)."""
+PROFILED_CALLS = 5
+
+
+def profile_op(op, args, out_dir: str, calls: int = PROFILED_CALLS) -> None:
+    """``jax.profiler`` traces of ``calls`` compiled calls of ``op``: the forward alone in
+    ``out_dir/forward``, forward+backward in ``out_dir/forward_backward`` with the optimized HLO of
+    that call (``hlo.txt.gz`` beside its trace: it names the trace's fusions)."""
     loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32))  # noqa: E731
-    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
-    jax.block_until_ready(fb(*args))
-    # The optimized HLO names the trace's fusions: which source op each one comes from.
-    os.makedirs(out_dir, exist_ok=True)
-    with gzip.open(os.path.join(out_dir, "hlo.txt.gz"), "wt") as f:
-        f.write(fb.as_text())
-    with jax.profiler.trace(out_dir):
-        for _ in range(calls):
-            jax.block_until_ready(fb(*args))
+    programs = {"forward": jax.jit(op),
+                "forward_backward": jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))}
+    for part, fn in programs.items():
+        compiled = fn.lower(*args).compile()
+        jax.block_until_ready(compiled(*args))
+        trace_dir = os.path.join(out_dir, part)
+        os.makedirs(trace_dir, exist_ok=True)
+        with gzip.open(os.path.join(trace_dir, "hlo.txt.gz"), "wt") as f:
+            f.write(compiled.as_text())
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(compiled(*args))
 
 
 def _record(name, shape, r, device):
@@ -211,7 +218,7 @@ def _run(a, shapes, emit) -> dict:
         if a.profile and name in JAX_OPS:
             trace_dir = f"{a.profile}/{name}"
             try:
-                profile_pair(JAX_OPS[name], make_inputs(*shapes[0]), trace_dir)
+                profile_op(JAX_OPS[name], make_inputs(*shapes[0]), trace_dir)
                 emit({"impl": name, "shape": list(shapes[0]), "profile": trace_dir})
             except Exception as e:
                 emit({"impl": name, "profile": trace_dir,

@@ -116,12 +116,14 @@ def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
 
 def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
     """The KDA benchmark's JAX path on the CPU (our chunked op at a toy shape), with the profiler
-    trace where ``profile_top.py DIR/NAME`` looks for it (a CPU trace has no GPU kernels to sum)."""
+    traces of the forward alone and with the backward where ``profile_top.py DIR/NAME/PART``
+    looks for them (a CPU trace has no GPU kernels to sum)."""
     rows = _run(["benchmarks/kda.py", "--impls", "ours_chunked_jax", "--shapes", "1,128,2,64",
                  "--iters", "1", "--repeats", "1", "--profile", str(tmp_path)])
     (timed,) = [r for r in rows if "fwd_ms" in r]
     assert timed["impl"] == "ours_chunked_jax" and timed["fwd_bwd_ms"] > 0
-    assert list((tmp_path / "ours_chunked_jax").glob("**/*.xplane.pb"))
+    for part in ("forward", "forward_backward"):
+        assert list((tmp_path / "ours_chunked_jax" / part).glob("**/*.xplane.pb")), part
 
 
 def test_kda_scores_variants_lower_for_sm90():
