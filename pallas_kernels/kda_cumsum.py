@@ -111,8 +111,8 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     Every operand comes in and every product goes out by TMA: ``q`` and ``k`` arrive while the
     cumsum runs, and each product is written over the tile it was made from (``Xk`` over ``G``'s
     spent bf16 parts), so the kernel holds no staging buffers and two CTAs still share an SM.
-    (Register loads and stores straight from and to GMEM left this kernel at about half of HBM's
-    bandwidth: every load's latency was exposed.)"""
+    (With register loads and stores straight from and to GMEM, where a warpgroup waits out every
+    load, this kernel moved under half of HBM's bandwidth; docs/benchmarks.md has the times.)"""
     nb, tp, h, dk = g.shape
     nh = dk // KT
     heads_major = lambda dt: jax.ShapeDtypeStruct((nb, h, tp, dk), dt)  # noqa: E731
