@@ -1,6 +1,7 @@
-"""The docs' pointers into the code stay true: every ``path.py::name`` in README.md and docs/*.md
-(a following ``::name`` means the same file; a bare ``test_x.py`` lives in tests/) names a file of
-the repository that defines ``name`` as a function, class or assigned name."""
+"""The docs' pointers into the code stay true: every file path in backticks in README.md and
+docs/*.md (``dir/file.py``, ``.md``, ``.sh``, ``.toml``) exists, and every ``path.py::name`` (a
+following ``::name`` means the same file; a bare ``test_x.py`` lives in tests/) names a file of the
+repository that defines ``name`` as a function, class or assigned name."""
 
 import ast
 import functools
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 REFERENCE = re.compile(r"`([\w/.]*\.py)?::(\w+)`")
+PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|md|sh|toml))(?:::\w+)?`")
 
 
 @functools.cache
@@ -56,6 +58,12 @@ def test_every_code_reference_names_something_defined(doc):
         elif name not in _defined(file):
             missing.append(f"{path}::{name}")
     assert not missing, f"{doc.name} points at what the code no longer has: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_file_path_exists(doc):
+    missing = sorted({p for p in PATH.findall(doc.read_text()) if not (ROOT / p).exists()})
+    assert not missing, f"{doc.name} names files the repository does not have: {missing}"
 
 
 def test_the_check_finds_a_stale_name(tmp_path):
