@@ -59,16 +59,20 @@ def _triangle(tri_s, upper: bool) -> None:
     tri_s[...] = jnp.where(rows <= cols if upper else rows >= cols, 1.0, 0.0).astype(BF16)
 
 
-def _triangular_sums(x_view, upper: bool, dk, scratch, emit):
-    """This CTA's chunk of ``x`` (the GMEM view ``x_view``, ``[C, dk]`` fp32) into SMEM by TMA, then
-    ``emit(channel slice, Tri @ x)`` per channel tile (:func:`_chunk_sums`); ``scratch``:
-    :func:`_scratch`'s refs."""
-    x_s, tri_s, *rest = scratch
-    parts, bar = rest[:SPLITS], rest[SPLITS]
+def _start_load(x_view, scratch) -> None:
+    """Start the TMA copy of this CTA's chunk of ``x`` (the GMEM view ``x_view``, ``[C, dk]``
+    fp32) into SMEM; ``scratch``: :func:`_scratch`'s refs (then any the kernel adds)."""
+    x_s, _, _, bar = scratch[:4]
     plgpu.copy_gmem_to_smem(x_view, x_s, bar)
+
+
+def _triangular_sums(upper: bool, dk, scratch, emit) -> None:
+    """Once :func:`_start_load`'s chunk has arrived, ``emit(channel slice, Tri @ x)`` per channel
+    tile (:func:`_chunk_sums`)."""
+    x_s, tri_s, parts_s, bar = scratch[:4]
     _triangle(tri_s, upper)
     plgpu.barrier_wait(bar)
-    _chunk_sums(x_s, tri_s, parts, dk, emit)
+    _chunk_sums(x_s, tri_s, [parts_s.at[i] for i in range(SPLITS)], dk, emit)
 
 
 def _this_chunk():
@@ -78,8 +82,9 @@ def _this_chunk():
 
 
 def _scratch(dk):
-    return (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)),
-            *(tiles((CHUNK, KT)) for _ in range(SPLITS)), plgpu.Barrier(num_arrivals=1))
+    """The chunk (plain fp32), the triangle, ``x``'s bf16 parts and the chunk's barrier."""
+    return (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)), tiles((SPLITS, CHUNK, KT)),
+            plgpu.Barrier(num_arrivals=1))
 
 
 def _reverse_call(dg_cum, *, interpret: bool):
@@ -93,7 +98,8 @@ def _reverse_call(dg_cum, *, interpret: bool):
         def emit(ch, out):
             o_ref.at[bi, tok, hi, ch][...] = out
 
-        _triangular_sums(x_ref.at[bi, hi, tok], True, dk, scratch, emit)
+        _start_load(x_ref.at[bi, hi, tok], scratch)
+        _triangular_sums(True, dk, scratch, emit)
 
     run = kernel(body, "kda_cumsum_bwd", interpret,
                  out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
@@ -122,19 +128,17 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     def body(g_ref, q_ref, k_ref, *refs):
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
         (gc_ref, qg_ref, kg_ref, xk_ref, gam_ref, ok_ref), refs = refs[:6], refs[6:]
-        x_s, tri_s, parts_s, qk_s, g_bar, qk_bar = refs
+        x_s, _, parts_s, _, qk_s, qk_bar = refs
         bi, hi, ni, tok = _this_chunk()
-        plgpu.copy_gmem_to_smem(g_ref.at[bi, tok, hi], x_s, g_bar)
-        for t, ch in enumerate(column_tiles(dk)):
+        _start_load(g_ref.at[bi, tok, hi], refs)
+        for t, ch in enumerate(column_tiles(dk)):  # behind g: they are needed after the cumsum
             for i, src in enumerate((q_ref, k_ref)):
                 plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qk_s.at[i, t], qk_bar)
-        _triangle(tri_s, upper=False)
-        plgpu.barrier_wait(g_bar)
 
         def emit(ch, g_cum):
             x_s.at[:, ch][...] = g_cum  # g is spent: G takes its place
 
-        _chunk_sums(x_s, tri_s, [parts_s.at[i] for i in range(SPLITS)], dk, emit)
+        _triangular_sums(False, dk, refs, emit)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_s, gc_ref.at[bi, hi, tok])
         plgpu.barrier_wait(qk_bar)
@@ -157,9 +161,7 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
         plgpu.wait_smem_to_gmem(0)
 
     assert nh <= SPLITS  # Xk's tiles reuse G's parts
-    scratch = (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)), tiles((SPLITS, CHUNK, KT)),
-               tiles((2, nh, CHUNK, KT)), plgpu.Barrier(num_arrivals=1),
-               plgpu.Barrier(num_arrivals=2 * nh))
+    scratch = (*_scratch(dk), tiles((2, nh, CHUNK, KT)), plgpu.Barrier(num_arrivals=2 * nh))
     run = kernel(body, "kda_cumsum_gates", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(g, q, k, *masks)
