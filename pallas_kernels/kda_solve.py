@@ -134,10 +134,15 @@ def _diagonal_blocks_inverse(l_s, s_s):
     return lax.fori_loop(0, BLOCK - 1, eliminate, s)
 
 
+def _split_pairs(x_parts, y_parts):
+    """The WGMMA operand pairs of ``x @ y`` from their bf16 parts (one, or a high and a low part,
+    each), without low times low: below the ~16 bits the parts carry."""
+    return [(x, y) for i, x in enumerate(x_parts) for j, y in enumerate(y_parts) if i + j < 2]
+
+
 def _product(x_parts, y_parts):
     """``x @ y`` (``[C, C]`` fp32) from split operands: refs or transposed refs of bf16 parts."""
-    (x_hi, x_lo), (y_hi, y_lo) = x_parts, y_parts
-    return matmul(FULL, (x_hi, y_hi), (x_hi, y_lo), (x_lo, y_hi))
+    return matmul(FULL, *_split_pairs(x_parts, y_parts))
 
 
 def _precise_product(x, y, split_s):
@@ -221,13 +226,12 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
     dk, dv = xk_parts[0].shape[-1], v_parts[0].shape[-1]
     operands = ((xk_parts, False, dk), (v_parts, True, dv))
     n_copies = sum(len(parts) * (n // KT) for parts, _, n in operands)
+    n_xk, n_in = len(xk_parts), len(xk_parts) + len(v_parts)
 
     def body(akk_ref, beta_ref, *refs):
-        n_in = len(xk_parts) + len(v_parts)
-        in_refs, refs = refs[:n_in], refs[n_in:]
+        part_refs, refs = (refs[:n_xk], refs[n_xk:n_in]), refs[n_in:]
         t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
         w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, xk_s, v_s, bar = refs
-        part_refs = (in_refs[:len(xk_parts)], in_refs[len(xk_parts):])
         at = _this_chunk()
         for (parts, token_major, n), refs_, z_s in zip(operands, part_refs, (xk_s, v_s)):
             for p, ref in enumerate(refs_):
@@ -243,8 +247,8 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
         plgpu.commit_smem()
         plgpu.barrier_wait(bar)
         for (parts, _, n), z_s, out_ref in zip(operands, (xk_s, v_s), (w_ref, u_ref)):
-            specs = [((CHUNK, KT), *[(tp_s, z_s.at[p, i]) for tp_s in (t_hi, t_lo)
-                                     for p in range(len(parts))])
+            specs = [((CHUNK, KT), *_split_pairs((t_hi, t_lo),
+                                                 [z_s.at[p, i] for p in range(len(parts))]))
                      for i in range(n // KT)]
             for cols, out in zip(column_tiles(n), products(*specs)):
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
