@@ -219,7 +219,8 @@ def _run(a, shapes, emit) -> dict:
             trace_dir = f"{a.profile}/{name}"
             try:
                 profile_op(JAX_OPS[name], make_inputs(*shapes[0]), trace_dir)
-                emit({"impl": name, "shape": list(shapes[0]), "profile": trace_dir})
+                emit({"impl": name, "shape": list(shapes[0]), "profile": trace_dir,
+                      "calls": PROFILED_CALLS})  # profile_top.py --calls takes it
             except Exception as e:
                 emit({"impl": name, "profile": trace_dir,
                       "error": f"{type(e).__name__}: {e}"[:300]})

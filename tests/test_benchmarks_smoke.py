@@ -122,6 +122,8 @@ def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
                  "--iters", "1", "--repeats", "1", "--profile", str(tmp_path)])
     (timed,) = [r for r in rows if "fwd_ms" in r]
     assert timed["impl"] == "ours_chunked_jax" and timed["fwd_bwd_ms"] > 0
+    (profiled,) = [r for r in rows if "profile" in r]
+    assert profiled["calls"] == 5  # what profile_top.py --calls needs for per-call times
     for part in ("forward", "forward_backward"):
         assert list((tmp_path / "ours_chunked_jax" / part).glob("**/*.xplane.pb")), part
 
