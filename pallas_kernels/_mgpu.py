@@ -18,16 +18,17 @@ KT = 64  # columns of one tile: the bf16 width of the 128-byte swizzle (see ``ti
 SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits; store_split)
 
 
-def tiles(shape: tuple[int, ...], dtype=BF16) -> plgpu.SMEM:
-    """SMEM with (8, 128-byte) tiles and the 128-byte swizzle: in bf16 a WGMMA operand, plain or
+def tiles(shape: tuple[int, ...], dtype=BF16, swizzle: int = 128) -> plgpu.SMEM:
+    """SMEM with (8, ``swizzle``-byte) tiles and that swizzle: in bf16 a WGMMA operand, plain or
     transposed; in fp32 a tile that WGMMA-layout registers load and store without bank conflicts
     (a plain row-major fp32 tile puts the eight rows a warp touches on the same banks).
 
-    Every bf16 operand of these kernels has a minor dimension that is a multiple of 64, so one
-    tiling serves all of them (WGMMA needs lhs and rhs swizzles to match).
+    WGMMA needs the two operands of a product to share a swizzle. Every bf16 operand has a minor
+    dimension that is a multiple of 64 (128 bytes), except the state kernels' 32-wide value tiles,
+    whose products take the 64-byte swizzle on both sides.
     """
-    tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
+    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
 def column_tiles(n: int) -> list:

@@ -38,8 +38,8 @@ from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save"))
-_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size",))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save", "block_v"))
+_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "block_v"))
 
 
 def _bf16(x):

@@ -38,16 +38,17 @@ from pallas_kernels._mgpu import (
     products,
     tiles,
 )
-from pallas_kernels.kda_state_fwd import BLOCK_V
+from pallas_kernels.kda_state_fwd import operand_tiles, value_tile
 from pallas_kernels.kda_state_grads import state_grads
 
 
-def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, interpret: bool):
+def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, block_v: int | None,
+                     interpret: bool):
     """The serial kernel: ``(du [B, H, Tp, V] fp32, dvt`` (the same values in bf16, the products'
     operand), ``dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
     b, h, tp, dk = qg.shape
     dv, c = do.shape[-1], chunk_size
-    nc, bv = tp // c, BLOCK_V
+    nc, bv = tp // c, block_v or value_tile(b, h)
     sds = jax.ShapeDtypeStruct
     out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
                 sds((b, h, dk, dv), F32))
@@ -98,13 +99,14 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
         dh0_ref.at[bi, hi, :, cols][...] = ds
         plgpu.wait_smem_to_gmem(0)
 
+    bf16_tiles = lambda shape: operand_tiles(shape, bv)  # noqa: E731
     scratch = (
-        tiles((2, c, dk)), tiles((2, c, dk)), tiles((2, c, dk)),  # qg, kg, w
-        tiles((2, c, c)),  # aqk
-        tiles((2, c, bv)),  # do
+        bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)),  # qg, kg, w
+        bf16_tiles((2, c, c)),  # aqk
+        bf16_tiles((2, c, bv)),  # do
         plgpu.SMEM((2, dk), F32),  # gamma
-        tiles((dk, bv)),  # dS (bf16 operand, and what is saved)
-        tiles((c, bv)),  # dVt (bf16 operand)
+        bf16_tiles((dk, bv)),  # dS (bf16 operand, and what is saved)
+        bf16_tiles((c, bv)),  # dVt (bf16 operand)
         tiles((c, bv), F32),  # dVt (fp32, what is saved as dU)
         plgpu.Barrier(num_arrivals=6, num_barriers=2),
     )
@@ -114,7 +116,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, inte
 
 
 def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
-              interpret: bool = False):
+              block_v: int | None = None, interpret: bool = False):
     """Run the backward state pass: the serial kernel, then
     :func:`pallas_kernels.kda_state_grads.state_grads`.
 
@@ -124,11 +126,14 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       states: ``[B, H, NC, K, V]`` bf16 and vt ``[B, H, Tp, V]`` bf16 from the forward.
       do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).
       dfinal: ``[B, H, K, V]`` fp32.
+      block_v: the value tile of the serial kernel (default
+        :func:`~pallas_kernels.kda_state_fwd.value_tile`).
 
     Returns:
       ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16,
       ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
     du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
-                                             chunk_size=chunk_size, interpret=interpret)
+                                             chunk_size=chunk_size, block_v=block_v,
+                                             interpret=interpret)
     return (*state_grads(states, dstates, vt, dvt, do, interpret=interpret), du, dh0)

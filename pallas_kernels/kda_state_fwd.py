@@ -1,7 +1,8 @@
 """Mosaic GPU kernel: the serial KDA state pass over chunks, forward (math §3.3).
 
 Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per
-``(value tile of 64 columns, head, batch)`` walks the chunks in order. Per chunk (operands bf16 in
+``(value tile of 64 columns, or 32 with few chains (:func:`value_tile`), head, batch)`` walks the
+chunks in order. Per chunk (operands bf16 in
 SMEM, fp32 accumulation on WGMMA):
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
@@ -37,13 +38,28 @@ from pallas_kernels._mgpu import (
     tiles,
 )
 
-BLOCK_V = 64
+BLOCK_V = 64  # the widest value tile of a CTA (its SMEM leaves one CTA an SM)
+FEW_CHAINS = 16  # (batch, head) chains up to which the state kernels take half-width value tiles
+
+
+def value_tile(b: int, h: int) -> int:
+    """Value columns per CTA of the state kernels for ``b * h`` chains. With few chains a CTA per
+    chain and 64-column tile leaves most SMs idle and the chains' serial steps are the kernel's
+    time: 32-column tiles halve each step's tensor-core work and put twice the CTAs on the SMs."""
+    return BLOCK_V // 2 if b * h <= FEW_CHAINS else BLOCK_V
+
+
+def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
+    """bf16 SMEM for the state kernels' WGMMA operands when value tiles are ``bv`` wide: every
+    product pairs a ``[., K]`` or ``[., C]`` tile with a ``bv``-wide one, so all take the swizzle
+    of a ``bv``-wide bf16 row."""
+    return tiles(shape, swizzle=min(2 * bv, 128))
 
 
 def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
-              interpret: bool = False):
+              block_v: int | None = None, interpret: bool = False):
     """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
-    kept for it.
+    kept for it; ``block_v``: the value tile (default :func:`value_tile`).
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
@@ -55,7 +71,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
-    nc, bv = tp // c, BLOCK_V
+    nc, bv = tp // c, block_v or value_tile(b, h)
     out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
                 jax.ShapeDtypeStruct((b, h, dk, dv), F32))
     if save:
@@ -135,14 +151,15 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
 
         finish_together(done)
 
+    bf16_tiles = lambda shape: operand_tiles(shape, bv)  # noqa: E731
     scratch = (
-        tiles((2, c, dk)), tiles((2, c, dk)), tiles((2, c, dk)),  # qg, kg, w
+        bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)),  # qg, kg, w
         tiles((2, c, bv), F32),  # u
-        tiles((2, c, c)),  # aqk
+        bf16_tiles((2, c, c)),  # aqk
         plgpu.SMEM((2, dk), F32),  # gamma
-        tiles((2, dk, bv)),  # state entering the chunk (two chunks in flight)
-        tiles((2, c, bv)),  # vt
-        tiles((2, c, bv)),  # o
+        bf16_tiles((2, dk, bv)),  # state entering the chunk (two chunks in flight)
+        bf16_tiles((2, c, bv)),  # vt
+        bf16_tiles((2, c, bv)),  # o
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # the state's inputs
         plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the outputs' inputs
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # S and Vt of a chunk are in SMEM

@@ -116,11 +116,12 @@ def test_prep_reference_matches_recurrence_fp32_correlated_keys():
     assert rel_rms(rf, f) <= FP32_TOL
 
 
-@pytest.mark.parametrize("dv", [64, 128], ids=["one_value_tile", "two_value_tiles"])
-def test_state_kernels_match_plain_jax(dv):
+@pytest.mark.parametrize("dv,block_v", [(64, 64), (128, 64), (128, 32)],
+                         ids=["one_value_tile", "two_value_tiles", "four_narrow_value_tiles"])
+def test_state_kernels_match_plain_jax(dv, block_v):
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
-    same bf16-rounded operands (isolates the kernels from the token-parallel part), one and two
-    value tiles."""
+    same bf16-rounded operands (isolates the kernels from the token-parallel part), one, two and
+    four value tiles (the 32-wide tiles of few chains)."""
     # five chunks: both slots reused
     args, _, _ = _bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
 
@@ -138,7 +139,8 @@ def test_state_kernels_match_plain_jax(dv):
     h0 = args[5]
     fwd = jax.jit(lambda p, h0, save: state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u,
                                                 _bf16(p.aqk), p.gamma, h0, chunk_size=64,
-                                                save=save, interpret=True), static_argnums=2)
+                                                save=save, block_v=block_v, interpret=True),
+                  static_argnums=2)
     o, f, st, vt = fwd(p, h0, True)
     assert o.dtype == jnp.bfloat16  # [B, Tp, H, V], the caller's layout
     for saved, alone in zip((o, f), fwd(p, h0, False), strict=True):  # no backward: same outputs
@@ -146,7 +148,7 @@ def test_state_kernels_match_plain_jax(dv):
     assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
     bwd = jax.jit(lambda p, st, vt, do, dfin: state_bwd(
         _bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma, st, vt,
-        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, interpret=True))
+        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, block_v=block_v, interpret=True))
     dqg, dkg, dw, da, dgam, du, dh0 = bwd(p, st, vt, do, dfin)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
@@ -177,22 +179,23 @@ def test_state_grads_kernel_matches_its_products(dk, dv):
 
 def test_state_kernels_lower_for_cuda():
     """The state kernels (the backward's two included) pass Mosaic GPU's lowering for an sm_90
-    target at benchmark sizes (K = V = 128, 64 chunks; the interpreter accepts layouts and copies
-    that do not lower)."""
+    target at benchmark sizes (K = V = 128, 64 chunks), with 64- and 32-wide value tiles (the
+    interpreter accepts layouts and copies that do not lower)."""
     b, h, nc, d, c = 2, 4, 64, 128, 64
     sd = jax.ShapeDtypeStruct
     rows = lambda n, dt: sd((b, h, nc * c, n), dt)  # noqa: E731
     bf, f32 = jnp.bfloat16, jnp.float32
     fwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(d, f32), rows(c, bf),
               sd((b, h, nc, d), f32), sd((b, h, d, d), f32))
-    for save in (True, False):
-        jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save)).trace(*fwd_in).lower(
-            lowering_platforms=("cuda",))
+    for save, block_v in ((True, 64), (False, 64), (True, 32), (False, 32)):
+        jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save, block_v=block_v)).trace(
+            *fwd_in).lower(lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
               sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf),
               sd((b, h, d, d), f32))
-    jax.jit(lambda *a: state_bwd(*a, chunk_size=c)).trace(*bwd_in).lower(
-        lowering_platforms=("cuda",))
+    for block_v in (64, 32):
+        jax.jit(lambda *a: state_bwd(*a, chunk_size=c, block_v=block_v)).trace(*bwd_in).lower(
+            lowering_platforms=("cuda",))
 
 
 def test_prepare_kernels_match_their_reference():
