@@ -58,13 +58,11 @@ from pallas_kernels._mgpu import (
     F32,
     KT,
     ROW,
-    WG,
     column_tiles,
     iota,
     kernel,
     load,
     matmul,
-    over_tiles,
     per_col,
     per_row,
     products,
@@ -265,28 +263,6 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
     return run(akk, beta, *xk_parts, *v_parts)
 
 
-def _operand_grads(at, beta_rows, terms, t_parts, scratch):
-    """Over ``terms`` (``(z_ref, token_major, dout_ref, dz_ref, width)``: ``(xk, W)`` and ``(v,
-    U)``), write ``dz = beta T^T dOut`` tile by tile; returns ``dT = sum dOut (beta z)^T`` ``[C,
-    C]`` and ``sum_c (T^T dOut)[r, c] z[r, c]`` (``[C]``, ROW layout: ``dbeta``'s share) fp32."""
-    (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
-    sums = (plgpu.layout_cast(jnp.zeros(FULL, F32), WG),
-            plgpu.layout_cast(jnp.zeros((CHUNK,), F32), ROW))
-    for z_ref, token_major, dout_ref, dz_ref, n in terms:
-        def grad_tile(cols, sums):  # traced at once, in this iteration
-            z, scaled = _scaled_tile(z_ref, at, cols, beta_rows, token_major)
-            store_split(load(_view(dout_ref, at, cols)).astype(F32), (a_hi, a_lo))
-            store_split(scaled, (b_hi, b_lo))
-            plgpu.commit_smem()
-            part = _product((a_hi, a_lo), (b_hi.T, b_lo.T))                # dW X^T, one tile of K
-            dz = _product((t_hi.T, t_lo.T), (a_hi, a_lo))                  # dX = T^T dW
-            _view(dz_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(dz_ref.dtype)
-            return sums[0] + part, sums[1] + jnp.sum(dz * z, axis=1)
-
-        sums = over_tiles(n, grad_tile, sums)
-    return sums
-
-
 def _strictly_lower():
     return iota(FULL, 0) > iota(FULL, 1)
 
@@ -302,33 +278,81 @@ def _lower_grad(dt, t_parts, scratch):
     return jnp.where(_strictly_lower(), -dm, 0.0)
 
 
-def _bwd_call(t, akk, beta, xk, v, dw, du, *, interpret):
+def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
     """Raw backward kernel: ``(dAkk, dbeta, dxk, dv)`` in the shapes of ``akk`` (fp32, zero on and
-    above the diagonal), ``beta`` (fp32), ``xk`` and ``v`` (their dtypes; ``dv`` token-major)."""
-    nb, h, tp, _ = t.shape
-    dk, dv = xk.shape[-1], v.shape[-1]
+    above the diagonal), ``beta`` (fp32), ``xk`` and ``v`` (``dv`` token-major), each gradient in
+    its input's dtype (bf16 for one part, else fp32); ``xk_parts``, ``v_parts``, ``dw_parts``:
+    :func:`bf16_parts`; ``du`` fp32.
 
-    def body(t_ref, akk_ref, beta_ref, xk_ref, v_ref, dw_ref, du_ref,
-             dakk_ref, dbeta_ref, dxk_ref, dv_ref, t_hi, t_lo, *scratch):
+    With ``X = beta xk``: ``dT = (dW xk^T + dU v^T) diag(beta)``, so, as in the forward, the bf16
+    operands go to the tensor cores as they are, brought by TMA at the start; only ``dU`` (fp32) is
+    split, from registers loaded while they arrive."""
+    nb, h, tp, _ = t.shape
+    dk, dv = xk_parts[0].shape[-1], v_parts[0].shape[-1]
+    counts = (len(xk_parts), len(v_parts), len(dw_parts))
+    staged = ((False, dk), (True, dv), (False, dk))  # (token-major, width) of xk, v, dW
+
+    def body(t_ref, akk_ref, beta_ref, *refs):
+        groups = []
+        for n in counts:
+            groups.append(refs[:n])
+            refs = refs[n:]
+        du_ref, dakk_ref, dbeta_ref, dxk_ref, dv_ref, t_hi, t_lo, *scratch = refs
+        (a_hi, a_lo, b_hi, b_lo), (xk_s, v_s, dw_s), bar = scratch[:4], scratch[4:7], scratch[7]
         at = _this_chunk()
+        for part_refs, z_s, (token_major, n) in zip(groups, (xk_s, v_s, dw_s), staged):
+            for p, ref in enumerate(part_refs):
+                for i, cols in enumerate(column_tiles(n)):
+                    plgpu.copy_gmem_to_smem(_view(ref, at, cols, token_major), z_s.at[p, i], bar)
+        du_tiles = [load(_view(du_ref, at, cols)) for cols in column_tiles(dv)]
         beta_rows = _beta_rows(beta_ref, at)
-        store_split(load(_view(t_ref, at, ALL)), (t_hi, t_lo))
-        terms = ((xk_ref, False, dw_ref, dxk_ref, dk), (v_ref, True, du_ref, dv_ref, dv))
-        dt, dbeta = _operand_grads(at, beta_rows, terms, (t_hi, t_lo), scratch)
-        dl = _lower_grad(dt, (t_hi, t_lo), scratch)
+        t_parts = (t_hi, t_lo)
+        store_split(load(_view(t_ref, at, ALL)), t_parts)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(bar)
+        xk_t = lambda i: [xk_s.at[p, i] for p in range(counts[0])]  # noqa: E731
+        v_t = lambda i: [v_s.at[p, i] for p in range(counts[1])]  # noqa: E731
+        dw_t = lambda i: [dw_s.at[p, i] for p in range(counts[2])]  # noqa: E731
+        t_tr = [x.T for x in t_parts]
+        # dW's products, every tile at once: dW xk^T (summed over tiles) and T^T dW per tile
+        nk = dk // KT
+        dt, *dxs = products(
+            (FULL, *[pair for i in range(nk)
+                     for pair in _split_pairs(dw_t(i), [z.T for z in xk_t(i)])]),
+            *[((CHUNK, KT), *_split_pairs(t_tr, dw_t(i))) for i in range(nk)])
+        dbeta = plgpu.layout_cast(jnp.zeros((CHUNK,), F32), ROW)
+        outs = [(dxs, xk_t, dxk_ref, False, dk)]
+        dys = []
+        for i, du_tile in enumerate(du_tiles):  # dU is split: one tile at a time
+            store_split(du_tile, (a_hi, a_lo))
+            plgpu.commit_smem()
+            part, dy = products((FULL, *_split_pairs((a_hi, a_lo), [z.T for z in v_t(i)])),
+                                ((CHUNK, KT), *_split_pairs(t_tr, (a_hi, a_lo))))
+            dt, dys = dt + part, dys + [dy]
+        outs.append((dys, v_t, dv_ref, True, dv))
+        for grads, z_t, out_ref, token_major, n in outs:
+            for i, (cols, dz) in enumerate(zip(column_tiles(n), grads)):
+                z = sum(load(part).astype(F32) for part in z_t(i))
+                dbeta = dbeta + jnp.sum(dz * z, axis=1)
+                _view(out_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(out_ref.dtype)
+        beta_cols = per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL)
+        dl = _lower_grad(dt * beta_cols, t_parts, (a_hi, a_lo, b_hi, b_lo))
         akk = load(_view(akk_ref, at, ALL))
         _view(dakk_ref, at, ALL)[...] = dl * beta_rows
         # where, not a product alone: Akk's junk on and above the diagonal may be anything
         dbeta = dbeta + jnp.sum(jnp.where(_strictly_lower(), dl * akk, 0.0), axis=1)
         dbeta_ref.at[at.b, at.h, at.tok][...] = dbeta
 
-    # Every input goes from GMEM to registers (each is read once): without staging them in SMEM
-    # (192 KB at K = V = 128) several CTAs share an SM and hide each other's latency.
-    scratch = tuple(tiles(FULL) for _ in range(6))
-    out_type = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (akk, beta, xk, v))
+    dtype = lambda parts: BF16 if len(parts) == 1 else F32  # noqa: E731
+    scratch = (*(tiles(FULL) for _ in range(6)),
+               *(tiles((n_parts, n // KT, CHUNK, KT)) for n_parts, (_, n) in zip(counts, staged)),
+               plgpu.Barrier(num_arrivals=sum(c * (n // KT) for c, (_, n) in zip(counts, staged))))
+    sds = jax.ShapeDtypeStruct
+    out_type = (sds(akk.shape, F32), sds(beta.shape, F32),
+                sds((nb, h, tp, dk), dtype(xk_parts)), sds((nb, tp, h, dv), dtype(v_parts)))
     run = kernel(body, "kda_wy_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
-    return run(t, akk, beta, xk, v, dw, du)
+    return run(t, akk, beta, *xk_parts, *v_parts, *dw_parts, du)
 
 
 _fwd_jit = shared_lowering(_fwd_call, ("w_dtype", "save_t"))
@@ -348,8 +372,10 @@ def _wy_fwd(akk, beta, xk, v, w_dtype, interpret):
 
 
 def _wy_bwd(w_dtype, interpret, res, cts):
-    dw, du = cts  # dW in w_dtype (read and widened in the kernel), dU fp32
-    return _bwd_jit(*res, dw, du, interpret=interpret)
+    t, akk, beta, xk, v = res
+    dw, du = cts  # dW in w_dtype, dU fp32
+    return _bwd_jit(t, akk, beta, bf16_parts(xk), bf16_parts(v), bf16_parts(dw),
+                    du.astype(F32), interpret=interpret)
 
 
 _wy.defvjp(_wy_fwd, _wy_bwd)
