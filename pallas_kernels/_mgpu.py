@@ -91,6 +91,21 @@ def matmul(shape: tuple[int, int], *pairs) -> jax.Array:
     return products((shape, *pairs))[0]
 
 
+def matmul_onto(init: jax.Array, *pairs, interpret: bool) -> jax.Array:
+    """``init + sum(a @ b for a, b in pairs)`` with ``init`` (fp32, WGMMA layout) as the
+    accumulator's starting value: its registers become the accumulator's, where adding a separate
+    product would hold both at once (what a 128-wide state tile cannot afford). The interpreter
+    has no initialised accumulators, so there the product is added after."""
+    if interpret:
+        return init + matmul(init.shape, *pairs)
+
+    def accumulate(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(init))
+
+
 def copy_all(srcs, slots, slot, barrier) -> None:
     """Start TMA copies of the GMEM views ``srcs`` into slot ``slot`` of the double-buffered SMEM
     refs ``slots``, all arriving on ``barrier``."""

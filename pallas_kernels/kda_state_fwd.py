@@ -1,21 +1,20 @@
 """Mosaic GPU kernel: the serial KDA state pass over chunks, forward (math §3.3).
 
 Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per
-``(value tile of 64 columns, or 32 with few chains (:func:`value_tile`), head, batch)`` walks the
-chunks in order. Per chunk (operands bf16 in
-SMEM, fp32 accumulation on WGMMA):
+``(value tile, head, batch)`` walks the chunks in order (the tile's width:
+:func:`forward_value_tile`). Per chunk (operands bf16 in SMEM, fp32 accumulation on WGMMA):
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
 
 Only the first and last products are serial, so the CTA's two warpgroups split them: warpgroup 0
-carries ``S [K, 64]`` in fp32 registers and publishes each chunk's ``S`` and ``Vt`` (bf16 SMEM, two
-chunks in flight); warpgroup 1 computes ``O`` from them meanwhile. At 16 heads, where one CTA per
-chain leaves most SMs idle, the chain's step time is the kernel's time, so ``O`` is kept off the
-chain.
-Each warpgroup's inputs arrive by TMA one chunk ahead (two SMEM slots). ``O`` leaves in the caller's
-layout and dtype (bf16 ``[B, Tp, H, V]``), so XLA neither transposes nor converts it. For the
-backward warpgroup 0 stores the state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt``
-(bf16, ``[B, H, Tp, V]``).
+carries ``S [K, bv]`` in fp32 registers and publishes each chunk's ``S`` and ``Vt`` (bf16 SMEM);
+warpgroup 1 computes ``O`` from them meanwhile. With few chains, where one CTA per chain leaves
+most SMs idle, the chain's step time is the kernel's time, so ``O`` is kept off the chain.
+Warpgroup 0's inputs arrive by TMA one chunk ahead (two SMEM slots); the outputs' side (``S``,
+``Vt``, ``Qg``, ``Aqk``, ``O``) has two chunks in flight, or one with a 128-wide tile, whose ``S``
+and ``U`` leave no SMEM for a second. ``O`` leaves in the caller's layout and dtype (bf16
+``[B, Tp, H, V]``), so XLA neither transposes nor converts it. For the backward warpgroup 0 stores
+the state entering each chunk (bf16, ``[B, H, NC, K, V]``) and ``Vt`` (bf16, ``[B, H, Tp, V]``).
 """
 
 from __future__ import annotations
@@ -34,12 +33,14 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
+    matmul_onto,
     per_row,
     tiles,
 )
 
-BLOCK_V = 64  # the widest value tile of a CTA (its SMEM leaves one CTA an SM)
+BLOCK_V = 64  # the value tile of the backward's serial kernel, and of the forward at most chains
 FEW_CHAINS = 16  # (batch, head) chains up to which the state kernels take half-width value tiles
+MANY_CHAINS = 32  # chains above which the forward takes the whole value width in one tile
 
 
 def value_tile(b: int, h: int) -> int:
@@ -47,6 +48,13 @@ def value_tile(b: int, h: int) -> int:
     chain and 64-column tile leaves most SMs idle and the chains' serial steps are the kernel's
     time: 32-column tiles halve each step's tensor-core work and put twice the CTAs on the SMs."""
     return BLOCK_V // 2 if b * h <= FEW_CHAINS else BLOCK_V
+
+
+def forward_value_tile(b: int, h: int, dv: int) -> int:
+    """The forward's value tile: :func:`value_tile`, or all ``dv`` columns above
+    :data:`MANY_CHAINS` chains. There the SMs are full either way and the pass is bound by what it
+    reads; every value tile of a chain reads the chain's ``Qg``, ``Kg``, ``W`` and ``Aqk`` again."""
+    return dv if b * h > MANY_CHAINS else min(value_tile(b, h), dv)
 
 
 def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
@@ -59,7 +67,7 @@ def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
 def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
               block_v: int | None = None, interpret: bool = False):
     """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
-    kept for it; ``block_v``: the value tile (default :func:`value_tile`).
+    kept for it; ``block_v``: the value tile (default :func:`forward_value_tile`).
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
@@ -71,7 +79,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
-    nc, bv = tp // c, block_v or value_tile(b, h)
+    nc, bv = tp // c, block_v or forward_value_tile(b, h, dv)
+    depth = 1 if bv > BLOCK_V else 2  # chunks in flight on the outputs' side
     out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
                 jax.ShapeDtypeStruct((b, h, dk, dv), F32))
     if save:
@@ -93,35 +102,38 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                 copy_all(srcs, (kg_s, w_s, u_s, gam_s), slot, state_in.at[slot])
 
             def step(n, s):
-                slot = lax.rem(n, 2)
+                slot, out = lax.rem(n, 2), lax.rem(n, depth)
                 pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
                 plgpu.barrier_wait(state_in.at[slot])
-                # chunk n-2's outputs read it
-                pl.when(n >= 2)(lambda: plgpu.barrier_wait(free.at[slot]))
-                if save:  # chunk n-2's stores of S and Vt have read this slot
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                s_s.at[slot][...] = s.astype(BF16)
+                gam = load(gam_s.at[slot], ROW)  # loaded early: the state's update waits for it
+                # the outputs of chunk n - depth read this slot of S and Vt
+                pl.when(n >= depth)(lambda: plgpu.barrier_wait(free.at[out]))
+                if save:  # chunk n - depth's stores of S and Vt have read it
+                    plgpu.wait_smem_to_gmem(depth - 1, wait_read_only=True)
+                s_s.at[out][...] = s.astype(BF16)
                 plgpu.commit_smem()
                 if save:
-                    plgpu.copy_smem_to_gmem(s_s.at[slot], st_ref.at[bi, hi, n, :, cols],
+                    plgpu.copy_smem_to_gmem(s_s.at[out], st_ref.at[bi, hi, n, :, cols],
                                             commit_group=False)
-                vt = load(u_s.at[slot]) - matmul((c, bv), (w_s.at[slot], s_s.at[slot]))
-                vt_s.at[slot][...] = vt.astype(BF16)
+                # W S - U, accumulated onto -U
+                neg_vt = matmul_onto(-load(u_s.at[slot]), (w_s.at[slot], s_s.at[out]),
+                                     interpret=interpret)
+                vt_s.at[out][...] = (-neg_vt).astype(BF16)
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(ready.at[slot])
+                plgpu.barrier_arrive(ready.at[out])
                 if save:
-                    plgpu.copy_smem_to_gmem(vt_s.at[slot],
+                    plgpu.copy_smem_to_gmem(vt_s.at[out],
                                             vt_ref.at[bi, hi, pl.ds(n * c, c), cols],
                                             commit_group=False)
                     plgpu.commit_smem_to_gmem_group()
-                decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
-                return s * decay + matmul((dk, bv), (kg_s.at[slot].T, vt_s.at[slot]))
+                return matmul_onto(s * per_row(gam, (dk, bv)), (kg_s.at[slot].T, vt_s.at[out]),
+                                   interpret=interpret)
 
             fetch(0, 0)
             s = lax.fori_loop(0, nc, step, load(h0_ref.at[bi, hi, :, cols]))
             fin_ref.at[bi, hi, :, cols][...] = s
-            for n in range(max(nc - 2, 0), nc):  # observe the outputs' last arrivals
-                plgpu.barrier_wait(free.at[n % 2])
+            for n in range(max(nc - depth, 0), nc):  # observe the outputs' last arrivals
+                plgpu.barrier_wait(free.at[n % depth])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
@@ -132,20 +144,22 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                          out_in.at[slot])
 
             def step(n, carry):
-                slot = lax.rem(n, 2)
-                pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
+                slot = lax.rem(n, depth)
                 plgpu.barrier_wait(out_in.at[slot])
                 plgpu.barrier_wait(ready.at[slot])
                 o = matmul((c, bv), (qg_s.at[slot], s_s.at[slot]), (a_s.at[slot], vt_s.at[slot]))
                 plgpu.barrier_arrive(free.at[slot])
-                # chunk n-2's store has read o_s[slot]
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                # the product has read this chunk's Qg and Aqk: chunk n + depth's may replace them
+                pl.when(n + depth < nc)(lambda: fetch(n + depth, slot))
+                # chunk n - depth's store has read o_s[slot]
+                plgpu.wait_smem_to_gmem(depth - 1, wait_read_only=True)
                 o_s.at[slot][...] = o.astype(BF16)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_s.at[slot], o_ref.at[bi, pl.ds(n * c, c), hi, cols])
                 return carry
 
-            fetch(0, 0)
+            for n in range(min(depth, nc)):
+                fetch(n, n)
             lax.fori_loop(0, nc, step, None)
             plgpu.wait_smem_to_gmem(0)
 
@@ -153,17 +167,17 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
 
     bf16_tiles = lambda shape: operand_tiles(shape, bv)  # noqa: E731
     scratch = (
-        bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)),  # qg, kg, w
+        bf16_tiles((depth, c, dk)), bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)),  # qg, kg, w
         tiles((2, c, bv), F32),  # u
-        bf16_tiles((2, c, c)),  # aqk
+        bf16_tiles((depth, c, c)),  # aqk
         plgpu.SMEM((2, dk), F32),  # gamma
-        bf16_tiles((2, dk, bv)),  # state entering the chunk (two chunks in flight)
-        bf16_tiles((2, c, bv)),  # vt
-        bf16_tiles((2, c, bv)),  # o
+        bf16_tiles((depth, dk, bv)),  # state entering the chunk
+        bf16_tiles((depth, c, bv)),  # vt
+        bf16_tiles((depth, c, bv)),  # o
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # the state's inputs
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the outputs' inputs
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # S and Vt of a chunk are in SMEM
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # the outputs are done reading them
+        plgpu.Barrier(num_arrivals=2, num_barriers=depth),  # the outputs' inputs
+        plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # S and Vt of a chunk are in SMEM
+        plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # the outputs are done reading them
         plgpu.Barrier(num_arrivals=2),  # both warpgroups are done (finish_together)
     )
     run = kernel(body, "kda_state_fwd", interpret, out_type=out_type, grid=(dv // bv, h, b),

@@ -26,7 +26,7 @@ from k3jax.ops.tolerance import (
 from pallas_kernels.kda import kda_pallas, supports
 from pallas_kernels.kda_prep import prepare, prepare_reference, state_pass_reference
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import state_fwd
+from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -116,12 +116,14 @@ def test_prep_reference_matches_recurrence_fp32_correlated_keys():
     assert rel_rms(rf, f) <= FP32_TOL
 
 
-@pytest.mark.parametrize("dv,block_v", [(64, 64), (128, 64), (128, 32)],
-                         ids=["one_value_tile", "two_value_tiles", "four_narrow_value_tiles"])
+@pytest.mark.parametrize("dv,block_v", [(64, 64), (128, 64), (128, 32), (128, 128)],
+                         ids=["one_value_tile", "two_value_tiles", "four_narrow_value_tiles",
+                              "one_wide_value_tile"])
 def test_state_kernels_match_plain_jax(dv, block_v):
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one, two and
-    four value tiles (the 32-wide tiles of few chains)."""
+    four value tiles (the 32-wide tiles of few chains); one 128-wide tile (the forward's with many
+    chains, one chunk in flight; the backward kernel keeps 64)."""
     # five chunks: both slots reused
     args, _, _ = _bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
 
@@ -148,7 +150,8 @@ def test_state_kernels_match_plain_jax(dv, block_v):
     assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
     bwd = jax.jit(lambda p, st, vt, do, dfin: state_bwd(
         _bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma, st, vt,
-        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, block_v=block_v, interpret=True))
+        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, block_v=min(block_v, BLOCK_V),
+        interpret=True))
     dqg, dkg, dw, da, dgam, du, dh0 = bwd(p, st, vt, do, dfin)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
@@ -187,7 +190,8 @@ def test_state_kernels_lower_for_cuda():
     bf, f32 = jnp.bfloat16, jnp.float32
     fwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(d, f32), rows(c, bf),
               sd((b, h, nc, d), f32), sd((b, h, d, d), f32))
-    for save, block_v in ((True, 64), (False, 64), (True, 32), (False, 32)):
+    for save, block_v in ((True, 64), (False, 64), (True, 32), (False, 32), (True, 128),
+                          (False, 128)):
         jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save, block_v=block_v)).trace(
             *fwd_in).lower(lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
