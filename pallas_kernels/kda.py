@@ -20,6 +20,14 @@ Parts 2 and 3 are joined by ``jax.custom_vjp``; JAX's autodiff chains them with 
 v, g, beta, initial_state) gets its gradient. State and accumulation are fp32; the kernels' matmul
 operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are therefore not
 claimed by :func:`supports` (the caller falls back to the chunked JAX op).
+
+A forward with no gradient to follow and more than ``FEW_CHAINS`` (batch, head) chains skips
+``W`` and ``U``: the solve kernel writes only ``T diag(beta)``
+(:func:`pallas_kernels.kda_solve.scaled_inverse`) and the state kernel forms
+``U - W S = T diag(beta) (v - Xk S)`` itself: one more product on its serial chain, so with few
+chains, where the chain's steps are the kernel's time, the forward keeps ``W`` and ``U``. A
+differentiated call takes the path above, whose kernels the backward needs (``jax.custom_vjp``
+at the op's level).
 """
 
 from __future__ import annotations
@@ -31,9 +39,9 @@ import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
 from pallas_kernels._mgpu import CHUNK, HEAD_DIMS, shared_lowering
-from pallas_kernels.kda_prep import prepare
+from pallas_kernels.kda_prep import prepare, prepare_applying_inverse
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
+from pallas_kernels.kda_state_fwd import BLOCK_V, FEW_CHAINS, state_fwd
 
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
@@ -119,14 +127,45 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    p = prepare(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
-                interpret=interpret)
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    o, final = _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
-                           chunk_size, interpret)
+    op = (_kda_applying_inverse if b * h > FEW_CHAINS and v.dtype == jnp.bfloat16
+          else _kda_through_wy)
+    o, final = op(q, k, v, g, beta, h0, segment_ids, scale, interpret)
     o = o[:, :t].astype(q.dtype)  # bf16 [B, Tp, H, V] from the kernel
     return o, (final if output_final_state else None)
+
+
+def _kda_through_wy(q, k, v, g, beta, h0, segment_ids, scale, interpret):
+    """``(o [B, Tp, H, V] bf16, final)`` through ``W`` and ``U`` (differentiable)."""
+    p = prepare(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, segment_ids=segment_ids,
+                interpret=interpret)
+    return _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
+                       CHUNK, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kda_applying_inverse(q, k, v, g, beta, h0, segment_ids, scale, interpret):
+    """:func:`_kda_through_wy`'s values; without a gradient to follow, the state pass applies
+    the chunk inverse itself and ``W``, ``U`` are never formed (the backward needs them, so a
+    differentiated call takes the other path)."""
+    p, inverse = prepare_applying_inverse(q, k, v, g, beta, scale=scale, chunk_size=CHUNK,
+                                          segment_ids=segment_ids, interpret=interpret)
+    return _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
+                          save=False, inverse=inverse, interpret=interpret)
+
+
+def _applying_inverse_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret):
+    through_wy = functools.partial(_kda_through_wy, segment_ids=segment_ids, scale=scale,
+                                   interpret=interpret)
+    return jax.vjp(through_wy, q, k, v, g, beta, h0)
+
+
+def _applying_inverse_bwd(scale, interpret, vjp, cts):
+    return (*vjp(cts), None)  # segment_ids: integers
+
+
+_kda_applying_inverse.defvjp(_applying_inverse_fwd, _applying_inverse_bwd)
 
 
 def supports(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=CHUNK) -> bool:

@@ -38,7 +38,7 @@ from jax import lax
 from pallas_kernels._mgpu import CHUNK
 from pallas_kernels.kda_gates import SegmentMasks
 from pallas_kernels.kda_scores import gated_scores, gated_scores_reference
-from pallas_kernels.kda_solve import wy, wy_reference
+from pallas_kernels.kda_solve import scaled_inverse, wy, wy_reference
 
 _HI = lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on GPUs (no TF32)
 
@@ -108,14 +108,32 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
     runs the kernels in the CPU interpreter.
     """
     _check_chunk("prepare", chunk_size)
-    f32, bf16, pad = jnp.float32, jnp.bfloat16, functools.partial(pad_time, multiple=CHUNK)
-    masks = segment_masks(segment_ids, CHUNK)
-    s = gated_scores(pad(q.astype(bf16)), pad(k.astype(bf16)), pad(g.astype(f32)), scale=scale,
-                     masks=masks, interpret=interpret)
-    beta = jnp.swapaxes(pad(beta.astype(f32)), 1, 2)  # [B, H, Tp]: tiny, the kernels' layout
-    v = pad(v if v.dtype in (bf16, f32) else v.astype(f32))
-    w, u = wy(s.akk, beta, s.xk, v, w_dtype=bf16, interpret=interpret)
+    s, beta = _scores(q, k, g, beta, scale, segment_ids, interpret)
+    v = pad_time(v if v.dtype in (jnp.bfloat16, jnp.float32) else v.astype(jnp.float32), CHUNK)
+    w, u = wy(s.akk, beta, s.xk, v, w_dtype=jnp.bfloat16, interpret=interpret)
     return Prepared(qg=s.qg, kg=s.kg, w=w, u=u, aqk=s.aqk, gamma=s.gamma)
+
+
+def prepare_applying_inverse(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
+                             interpret: bool = False) -> tuple[Prepared, tuple]:
+    """:func:`prepare` for a state pass that applies the chunk inverse itself (forward only):
+    ``(Prepared with w = xk and u = v, padded and token-major bf16; (hi, lo))``, the second
+    :func:`~pallas_kernels.kda_solve.scaled_inverse` (see
+    :func:`~pallas_kernels.kda_state_fwd.state_fwd`'s ``inverse``). Not differentiable."""
+    _check_chunk("prepare_applying_inverse", chunk_size)
+    s, beta = _scores(q, k, g, beta, scale, segment_ids, interpret)
+    v = pad_time(v.astype(jnp.bfloat16), CHUNK)
+    inverse = scaled_inverse(s.akk, beta, interpret=interpret)
+    return Prepared(qg=s.qg, kg=s.kg, w=s.xk, u=v, aqk=s.aqk, gamma=s.gamma), inverse
+
+
+def _scores(q, k, g, beta, scale, segment_ids, interpret):
+    """:func:`~pallas_kernels.kda_scores.gated_scores` of the padded inputs, and ``beta``
+    padded and head-major ``[B, H, Tp]`` fp32 (tiny: the kernels' layout)."""
+    f32, bf16, pad = jnp.float32, jnp.bfloat16, functools.partial(pad_time, multiple=CHUNK)
+    s = gated_scores(pad(q.astype(bf16)), pad(k.astype(bf16)), pad(g.astype(f32)), scale=scale,
+                     masks=segment_masks(segment_ids, CHUNK), interpret=interpret)
+    return s, jnp.swapaxes(pad(beta.astype(f32)), 1, 2)
 
 
 def prepare_reference(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None) -> Prepared:

@@ -36,7 +36,11 @@ The pivots, the two merges and the column tiles are loops in the kernel, not unr
 loops: each unrolled copy was thousands of register loads and stores, and rolling them up halved
 both modules and their compile time at the same speed (docs/benchmarks.md).
 
-Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32).
+For a forward without backward, :func:`scaled_inverse` writes ``T diag(beta)`` alone (a high and a
+low bf16 part) for a state pass that applies it (:mod:`pallas_kernels.kda_state_fwd`).
+
+Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32) and
+:func:`scaled_inverse_reference`.
 """
 
 from __future__ import annotations
@@ -88,18 +92,27 @@ def unit_lower_inverse_reference(lower):
     return t.reshape(lower.shape)
 
 
+def scaled_inverse_reference(akk, beta):
+    """``T diag(beta)`` per chunk, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``;
+    arguments as in :func:`wy`. Returns ``[B, H, Tp, C]``."""
+    nb, h, tp, c = akk.shape
+    rows = beta.astype(F32)[..., None]
+    strict = jnp.asarray(np.tile(np.tri(c, k=-1, dtype=bool), (tp // c, 1)))
+    t = unit_lower_inverse_reference(jnp.where(strict, akk.astype(F32), 0.0) * rows)
+    columns = beta.astype(F32).reshape(nb, h, tp // c, 1, c)
+    return (t.reshape(nb, h, tp // c, c, c) * columns).reshape(akk.shape)
+
+
 def wy_reference(akk, beta, xk, v):
     """``(T X, T Y)``, fp32 (XLA), with ``T = (I + L)^-1``, ``L = beta tril(Akk, -1)``,
     ``X = beta xk`` and ``Y = beta v`` per chunk; arguments as in :func:`wy` (``v`` token-major).
     Returns ``(W [B, H, Tp, K], U [B, H, Tp, V])`` fp32."""
     nb, h, tp, c = akk.shape
-    rows = beta.astype(F32)[..., None]
-    strict = jnp.asarray(np.tile(np.tri(c, k=-1, dtype=bool), (tp // c, 1)))
-    t = unit_lower_inverse_reference(jnp.where(strict, akk.astype(F32), 0.0) * rows)
+    tb = scaled_inverse_reference(akk, beta).reshape(nb, h, tp // c, c, c)
 
-    def apply(z):  # [B, H, Tp, D] -> T (beta z), per chunk
-        zc = (rows * z.astype(F32)).reshape(nb, h, tp // c, c, z.shape[-1])
-        return jnp.matmul(t.reshape(nb, h, tp // c, c, c), zc, precision=_HI).reshape(z.shape)
+    def apply(z):  # [B, H, Tp, D] -> (T diag(beta)) z, per chunk
+        zc = z.astype(F32).reshape(nb, h, tp // c, c, z.shape[-1])
+        return jnp.matmul(tb, zc, precision=_HI).reshape(z.shape)
 
     return apply(xk), apply(jnp.swapaxes(v, 1, 2))
 
@@ -210,6 +223,44 @@ def bf16_parts(z):
     return hi, (z.astype(F32) - hi.astype(F32)).astype(BF16)
 
 
+def _inverse(akk_ref, beta_ref, at: _Chunk, scratch):
+    """The chunk's ``T`` (fp32 ``[C, C]`` registers) from ``Akk`` and ``beta`` in GMEM;
+    ``scratch``: :func:`_inverse_scratch`."""
+    l_s, s_s, d_s, *split_s = scratch
+    l_s[...] = _scaled_tile(akk_ref, at, ALL, _beta_rows(beta_ref, at))[1]  # above the diagonal:
+    plgpu.commit_smem()                                                     # never read
+    return _chunk_inverse(l_s, s_s, d_s, split_s)
+
+
+def _inverse_scratch():
+    """SMEM of :func:`_inverse`: ``L``, the diagonal blocks, ``D`` and four bf16 split tiles."""
+    return (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
+            *(tiles(FULL) for _ in range(4)))
+
+
+def _scaled_columns(t, beta_ref, at: _Chunk):
+    """``T diag(beta)``: ``beta_j`` scales column ``j``."""
+    return t * per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL)
+
+
+def _scaled_inverse_call(akk, beta, *, interpret):
+    """Raw kernel: ``T diag(beta)`` as a high and a low bf16 part, each ``[B, H, Tp, C]``."""
+    nb, h, tp, _ = akk.shape
+
+    def body(akk_ref, beta_ref, hi_ref, lo_ref, *scratch):
+        at = _this_chunk()
+        tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch), beta_ref, at)
+        hi = tb.astype(BF16)
+        _view(hi_ref, at, ALL)[...] = hi
+        _view(lo_ref, at, ALL)[...] = (tb - hi.astype(F32)).astype(BF16)
+
+    part = jax.ShapeDtypeStruct(akk.shape, BF16)
+    run = kernel(body, "kda_scaled_inverse", interpret, out_type=(part, part),
+                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"),
+                 scratch_types=_inverse_scratch())
+    return run(akk, beta)
+
+
 def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret):
     """Raw forward kernel:
     ``(T [B, H, Tp, C] fp32, W [B, H, Tp, K] w_dtype, U [B, H, Tp, V] fp32)``, without ``T``
@@ -235,13 +286,10 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
             for p, ref in enumerate(refs_):
                 for i, cols in enumerate(column_tiles(n)):
                     plgpu.copy_gmem_to_smem(_view(ref, at, cols, token_major), z_s.at[p, i], bar)
-        beta_rows = _beta_rows(beta_ref, at)
-        l_s[...] = _scaled_tile(akk_ref, at, ALL, beta_rows)[1]  # L above the diagonal: never read
-        plgpu.commit_smem()
-        t = _chunk_inverse(l_s, s_s, d_s, (t_hi, t_lo, z_hi, z_lo))  # the inverse's scratch, reused
+        t = _inverse(akk_ref, beta_ref, at, (l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo))
         if save_t:
             _view(t_ref, at, ALL)[...] = t
-        store_split(t * per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL), (t_hi, t_lo))
+        store_split(_scaled_columns(t, beta_ref, at), (t_hi, t_lo))
         plgpu.commit_smem()
         plgpu.barrier_wait(bar)
         for (parts, _, n), z_s, out_ref in zip(operands, (xk_s, v_s), (w_ref, u_ref)):
@@ -251,8 +299,7 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
             for cols, out in zip(column_tiles(n), products(*specs)):
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
 
-    scratch = (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-               *(tiles(FULL) for _ in range(4)),
+    scratch = (*_inverse_scratch(),
                *(tiles((len(parts), n // KT, CHUNK, KT)) for parts, _, n in operands),
                plgpu.Barrier(num_arrivals=n_copies))
     sds = jax.ShapeDtypeStruct
@@ -381,14 +428,23 @@ def _wy_bwd(w_dtype, interpret, res, cts):
 _wy.defvjp(_wy_fwd, _wy_bwd)
 
 
-def _check_args(akk, beta, xk, v, w_dtype) -> None:
-    """ValueError naming the first argument of :func:`wy` with a wrong shape or dtype."""
+def _check_inverse_args(fn: str, akk, beta) -> None:
+    """ValueError naming ``akk`` or ``beta`` of ``fn`` if its shape or dtype is wrong."""
     if akk.ndim != 4 or akk.shape[3] != CHUNK or akk.shape[2] % CHUNK:
-        raise ValueError(f"wy: akk must be [B, H, Tp, {CHUNK}] with Tp a multiple of {CHUNK}, "
+        raise ValueError(f"{fn}: akk must be [B, H, Tp, {CHUNK}] with Tp a multiple of {CHUNK}, "
                          f"got {akk.shape}")
     nb, h, tp, _ = akk.shape
     if beta.shape != (nb, h, tp):
-        raise ValueError(f"wy: beta must be [B, H, Tp] = {(nb, h, tp)}, got {beta.shape}")
+        raise ValueError(f"{fn}: beta must be [B, H, Tp] = {(nb, h, tp)}, got {beta.shape}")
+    for name, z in (("akk", akk), ("beta", beta)):
+        if not jnp.issubdtype(z.dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name} must be floating point, got {z.dtype}")
+
+
+def _check_args(akk, beta, xk, v, w_dtype) -> None:
+    """ValueError naming the first argument of :func:`wy` with a wrong shape or dtype."""
+    _check_inverse_args("wy", akk, beta)
+    nb, h, tp, _ = akk.shape
     if xk.ndim != 4 or xk.shape[:3] != (nb, h, tp) or xk.shape[3] % CHUNK:
         raise ValueError(f"wy: xk must be [B, H, Tp, K] = {(nb, h, tp)} "
                          f"+ (a multiple of {CHUNK},), "
@@ -397,9 +453,6 @@ def _check_args(akk, beta, xk, v, w_dtype) -> None:
         raise ValueError(f"wy: v must be token-major [B, Tp, H, V] = {(nb, tp, h)} "
                          "+ (a multiple of "
                          f"{CHUNK},), got {v.shape}")
-    for name, z in (("akk", akk), ("beta", beta)):
-        if not jnp.issubdtype(z.dtype, jnp.floating):
-            raise ValueError(f"wy: {name} must be floating point, got {z.dtype}")
     for name, dtype in (("xk", xk.dtype), ("v", v.dtype), ("w_dtype", w_dtype)):
         if jnp.dtype(dtype) not in OPERAND_DTYPES:
             raise ValueError(f"wy: {name} must be float32 or bfloat16, got {dtype}")
@@ -427,4 +480,20 @@ def wy(akk, beta, xk, v, *, w_dtype=F32, interpret: bool = False):
     return _wy(akk.astype(F32), beta.astype(F32), xk, v, jnp.dtype(w_dtype), interpret)
 
 
-__all__ = ["wy", "wy_reference", "unit_lower_inverse_reference"]
+_scaled_inverse_jit = shared_lowering(_scaled_inverse_call, ())
+
+
+def scaled_inverse(akk, beta, *, interpret: bool = False):
+    """``T diag(beta)`` per chunk of 64 rows (``T`` as in :func:`wy`) as a high and a low bf16
+    part (~16 significant bits together): the chunk inverse for a state pass that applies it
+    itself, ``U - W S = (T diag(beta)) (v - xk S)``, so that ``W`` and ``U`` never reach HBM.
+    Forward only (no VJP: a backward needs ``W``). ``akk``, ``beta``: as in :func:`wy`.
+
+    Returns ``(hi, lo)``, each ``[B, H, Tp, 64]`` bf16.
+    """
+    _check_inverse_args("scaled_inverse", akk, beta)
+    return _scaled_inverse_jit(akk.astype(F32), beta.astype(F32), interpret=interpret)
+
+
+__all__ = ["scaled_inverse", "scaled_inverse_reference", "unit_lower_inverse_reference", "wy",
+           "wy_reference"]

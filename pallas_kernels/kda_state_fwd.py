@@ -65,13 +65,18 @@ def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
 
 
 def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
-              block_v: int | None = None, interpret: bool = False):
+              block_v: int | None = None, inverse=None, interpret: bool = False):
     """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
     kept for it; ``block_v``: the value tile (default :func:`forward_value_tile`).
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
       gamma: ``[B, H, NC, K]`` fp32.  h0: ``[B, H, K, V]`` fp32 (zeros for no initial state).
+      inverse: ``None``, or (forward only, ``save=False``) the chunks' ``T diag(beta)`` as the
+        ``(hi, lo)`` bf16 parts of :func:`~pallas_kernels.kda_solve.scaled_inverse`; then ``w`` is
+        ``xk`` and ``u`` the values ``v`` (bf16, token-major ``[B, Tp, H, V]``), and the pass
+        forms ``Vt = U - W S = (T diag(beta)) (v - xk S)`` itself: ``W`` and ``U`` are never
+        written, for one more product on the serial chain.
 
     Returns:
       ``(o [B, Tp, H, V] bf16, final [B, H, K, V] fp32, states [B, H, NC, K, V] bf16,
@@ -81,15 +86,21 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     dv, c = u.shape[-1], chunk_size
     nc, bv = tp // c, block_v or forward_value_tile(b, h, dv)
     depth = 1 if bv > BLOCK_V else 2  # chunks in flight on the outputs' side
+    applies_inverse = inverse is not None
+    if applies_inverse and save:
+        raise ValueError("state_fwd: inverse is for a forward without backward (save=False)")
     out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
                 jax.ShapeDtypeStruct((b, h, dk, dv), F32))
     if save:
         out_type += (jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
                      jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
-    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, o_ref, fin_ref, *refs):
+    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, *refs):
+        t_refs, refs = (refs[:2], refs[2:]) if applies_inverse else ((), refs)
+        o_ref, fin_ref, *refs = refs
         (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
-        qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done = refs
+        (qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done,
+         *t_s) = refs
         bi, hi, vi, wg = (lax.axis_index(n) for n in ("b", "h", "v", "wg"))
         cols = pl.ds(vi * bv, bv)
 
@@ -97,9 +108,11 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
         def _():  # the state: Vt = U - W S, S <- gamma S + Kg^T Vt
             def fetch(n, slot):
                 tok = pl.ds(n * c, c)
-                srcs = (kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok], u_ref.at[bi, hi, tok, cols],
-                        gam_ref.at[bi, hi, n])
-                copy_all(srcs, (kg_s, w_s, u_s, gam_s), slot, state_in.at[slot])
+                u_view = (u_ref.at[bi, tok, hi, cols] if applies_inverse
+                          else u_ref.at[bi, hi, tok, cols])
+                srcs = (kg_ref.at[bi, hi, tok], w_ref.at[bi, hi, tok], u_view,
+                        gam_ref.at[bi, hi, n], *(t.at[bi, hi, tok] for t in t_refs))
+                copy_all(srcs, (kg_s, w_s, u_s, gam_s, *t_s), slot, state_in.at[slot])
 
             def step(n, s):
                 slot, out = lax.rem(n, 2), lax.rem(n, depth)
@@ -116,10 +129,14 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                     plgpu.copy_smem_to_gmem(s_s.at[out], st_ref.at[bi, hi, n, :, cols],
                                             commit_group=False)
                 # W S - U, accumulated onto -U
-                neg_vt = matmul_onto(-load(u_s.at[slot]), (w_s.at[slot], s_s.at[out]),
-                                     interpret=interpret)
+                neg_vt = matmul_onto(-load(u_s.at[slot]).astype(F32),
+                                     (w_s.at[slot], s_s.at[out]), interpret=interpret)
                 vt_s.at[out][...] = (-neg_vt).astype(BF16)
                 plgpu.commit_smem()
+                if applies_inverse:  # that was v - xk S, the operand of T diag(beta)
+                    vt = matmul((c, bv), *((t.at[slot], vt_s.at[out]) for t in t_s))
+                    vt_s.at[out][...] = vt.astype(BF16)
+                    plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[out])
                 if save:
                     plgpu.copy_smem_to_gmem(vt_s.at[out],
@@ -168,18 +185,20 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     bf16_tiles = lambda shape: operand_tiles(shape, bv)  # noqa: E731
     scratch = (
         bf16_tiles((depth, c, dk)), bf16_tiles((2, c, dk)), bf16_tiles((2, c, dk)),  # qg, kg, w
-        tiles((2, c, bv), F32),  # u
+        bf16_tiles((2, c, bv)) if applies_inverse else tiles((2, c, bv), F32),  # u (or v)
         bf16_tiles((depth, c, c)),  # aqk
         plgpu.SMEM((2, dk), F32),  # gamma
         bf16_tiles((depth, dk, bv)),  # state entering the chunk
         bf16_tiles((depth, c, bv)),  # vt
         bf16_tiles((depth, c, bv)),  # o
-        plgpu.Barrier(num_arrivals=4, num_barriers=2),  # the state's inputs
+        plgpu.Barrier(num_arrivals=4 + 2 * applies_inverse, num_barriers=2),  # the state's inputs
         plgpu.Barrier(num_arrivals=2, num_barriers=depth),  # the outputs' inputs
         plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # S and Vt of a chunk are in SMEM
         plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # the outputs are done reading them
         plgpu.Barrier(num_arrivals=2),  # both warpgroups are done (finish_together)
+        *(bf16_tiles((2, c, c)) for _ in range(2 * applies_inverse)),  # T diag(beta), hi and lo
     )
-    run = kernel(body, "kda_state_fwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
+    name = "kda_state_fwd_applying_inverse" if applies_inverse else "kda_state_fwd"
+    run = kernel(body, name, interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
-    return run(qg, kg, w, u, aqk, gamma, h0)
+    return run(qg, kg, w, u, aqk, gamma, h0, *(inverse or ()))

@@ -24,9 +24,16 @@ from k3jax.ops.tolerance import (
     rel_rms,
 )
 from pallas_kernels.kda import kda_pallas, supports
-from pallas_kernels.kda_prep import prepare, prepare_reference, state_pass_reference
+from pallas_kernels.kda_prep import (
+    Prepared,
+    prepare,
+    prepare_reference,
+    state_pass_reference,
+)
+from pallas_kernels.kda_scores import gated_scores_reference
+from pallas_kernels.kda_solve import scaled_inverse_reference, wy_reference
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
+from pallas_kernels.kda_state_fwd import BLOCK_V, FEW_CHAINS, state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -159,6 +166,33 @@ def test_state_kernels_match_plain_jax(dv, block_v):
         assert rel_rms(r, x) <= BF16_GRAD_QKV_TOL
 
 
+@pytest.mark.parametrize("block_v", [32, 64, 128])
+def test_state_pass_applying_inverse_matches_plain_jax(block_v):
+    """The forward state kernel given ``xk``, ``v`` and ``T diag(beta)`` (it forms
+    ``Vt = T diag(beta) (v - xk S)`` itself) against the plain-JAX state pass of
+    ``W = T diag(beta) xk``, ``U = T diag(beta) v`` on the same bf16 operands: ``o`` and the final
+    state within math §10's bf16 output tolerance, at each value tile width."""
+    args, _, _ = _bf16_case(2, 1, 320, 1, 64, 128, "lower_bound")
+
+    @jax.jit
+    def operands(args):
+        q, k, v, g, beta, h0 = args
+        s = gated_scores_reference(q, k, g, scale=0.125)
+        beta = jnp.swapaxes(beta, 1, 2)
+        tb = scaled_inverse_reference(s.akk, beta)
+        hi = tb.astype(jnp.bfloat16)
+        inverse = (hi, (tb - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+        qg, kg, xk, aqk = (_bf16(x) for x in (s.qg, s.kg, s.xk, s.aqk))
+        w, u = wy_reference(s.akk, beta, xk, v)
+        ref = state_pass_reference(Prepared(qg, kg, w, u, aqk, s.gamma), h0, 64)
+        return (qg, kg, xk, _bf16(v), aqk, s.gamma, h0), inverse, ref
+
+    kernel_args, inverse, (ro, rf) = operands(args)
+    o, f = jax.jit(lambda a, t: state_fwd(*a, chunk_size=64, save=False, block_v=block_v,
+                                          inverse=t, interpret=True))(kernel_args, inverse)
+    assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
+
+
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128)])
 def test_state_grads_kernel_matches_its_products(dk, dv):
     """The per-chunk products kernel against the same einsums in plain JAX, on shared bf16 operands,
@@ -194,6 +228,12 @@ def test_state_kernels_lower_for_cuda():
                           (False, 128)):
         jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save, block_v=block_v)).trace(
             *fwd_in).lower(lowering_platforms=("cuda",))
+    applying_in = (*fwd_in[:3], sd((b, nc * c, h, d), bf), *fwd_in[4:])  # v token-major, bf16
+    inverse = (rows(c, bf), rows(c, bf))
+    for block_v in (32, 64, 128):
+        jax.jit(lambda a, t: state_fwd(*a, chunk_size=c, save=False, block_v=block_v,
+                                       inverse=t)).trace(applying_in, inverse).lower(
+            lowering_platforms=("cuda",))
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
               sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf),
               sd((b, h, d, d), f32))
@@ -252,6 +292,22 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
         _bf16(q), _bf16(k), _bf16(v), g, beta, scale=128**-0.5, initial_state=h0,
         output_final_state=True, interpret=True))(*args)
     assert rel_rms(ref[0], o) <= BF16_OUT_TOL and rel_rms(ref[1], f) <= BF16_OUT_TOL
+
+
+def test_kda_pallas_many_chains_forward_applies_inverse():
+    """More than ``FEW_CHAINS`` (batch, head) chains with packed segments: the forward alone takes
+    the state pass that applies the chunk inverse, a differentiated call the path through ``W`` and
+    ``U`` (the backward needs them); values and all six gradients within math §10's bf16
+    tolerances either way."""
+    args, do, dfin = _bf16_case(6, 1, 90, FEW_CHAINS + 1, 64, 64, "softplus")
+    seg = jnp.array([[0] * 40 + [1] * 50])
+    ref_o, ref_f = jax.jit(functools.partial(kda_reference, scale=0.125, segment_ids=seg))(
+        *args[:5], initial_state=args[5])
+    o, f = jax.jit(lambda q, k, v, g, beta, h0: kda_pallas(
+        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, initial_state=h0, segment_ids=seg,
+        output_final_state=True, interpret=True))(*args)
+    assert rel_rms(ref_o, o) <= BF16_OUT_TOL and rel_rms(ref_f, f) <= BF16_OUT_TOL
+    _check_all(args, seg, do, dfin)
 
 
 def test_kda_pallas_fp32_inputs():

@@ -57,17 +57,22 @@ def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16):
         assert errs[n] <= bound, (n, errs[n])
 
 
-@pytest.mark.parametrize("d,t,gate,segments", [
-    (128, 2048, "softplus", True),
-    (128, 2048, "lower_bound", False),
-    (64, 777, "lower_bound", True)])
-def test_values_and_gradients_on_gpu(d, t, gate, segments):
-    args, do, dfin = kda_bf16_case(d + t, 2, t, 4, d, d, gate)
-    seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (2, t)), axis=1)
+@pytest.mark.parametrize("b,h,d,t,gate,segments", [
+    (2, 4, 128, 2048, "softplus", True),
+    (2, 4, 128, 2048, "lower_bound", False),
+    (2, 4, 64, 777, "lower_bound", True),
+    (2, 12, 128, 1024, "softplus", True),
+    (4, 12, 128, 1024, "lower_bound", True)])
+def test_values_and_gradients_on_gpu(b, h, d, t, gate, segments):
+    """2 x 4 chains take the state kernels' 32-wide value tiles, 2 x 12 the 64-wide ones and
+    4 x 12 the forward's 128-wide one; above 16 chains the forward alone applies the chunk inverse
+    in its state pass (the values here), while the gradients go through ``W`` and ``U``."""
+    args, do, dfin = kda_bf16_case(d + t + h, b, t, h, d, d, gate)
+    seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (b, t)), axis=1)
            if segments else None)
     assert supports(_bf16(args[0]), _bf16(args[1]), _bf16(args[2]), args[3], args[4],
                     initial_state=args[5], segment_ids=seg)
-    _check_on_gpu((d, t, gate, segments), args, do, dfin, seg)
+    _check_on_gpu((b, h, d, t, gate, segments), args, do, dfin, seg)
 
 
 def test_fp32_inputs_on_gpu():
@@ -77,9 +82,11 @@ def test_fp32_inputs_on_gpu():
     _check_on_gpu("fp32 inputs", args, do, dfin, inputs=lambda x: x)
 
 
-def test_repeatable_on_gpu():
-    """Two runs on the same inputs agree bit for bit (a race would move the result)."""
-    args, _, _ = kda_bf16_case(3, 1, 4096, 8, 128, 128, "lower_bound")
+@pytest.mark.parametrize("b", [1, 8])
+def test_repeatable_on_gpu(b):
+    """Two runs on the same inputs agree bit for bit (a race would move the result), with few
+    chains and with many (the forward's 128-wide tile, one chunk in flight)."""
+    args, _, _ = kda_bf16_case(3, b, 4096, 8, 128, 128, "lower_bound")
     fn = jax.jit(lambda q, k, v, g, beta: kda_pallas(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                                                      v.astype(jnp.bfloat16), g, beta,
                                                      scale=128**-0.5)[0])

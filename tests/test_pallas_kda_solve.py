@@ -19,7 +19,13 @@ from test_pallas_kda import _check_all
 
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels._mgpu import CHUNK
-from pallas_kernels.kda_solve import unit_lower_inverse_reference, wy, wy_reference
+from pallas_kernels.kda_solve import (
+    scaled_inverse,
+    scaled_inverse_reference,
+    unit_lower_inverse_reference,
+    wy,
+    wy_reference,
+)
 
 STRICT = np.tri(CHUNK, k=-1, dtype=bool)
 NAMES = ("akk", "beta", "xk", "v")
@@ -104,6 +110,19 @@ def test_inverse_matches_triangular_solve(correlated):
     assert rel_rms(ref, t) <= FP32_TOL
 
 
+@pytest.mark.parametrize("correlated", [False, True])
+def test_scaled_inverse_matches_reference(correlated):
+    """``T diag(beta)`` (for a state pass that applies it) as two bf16 parts whose sum is within
+    FP32_TOL of the fp32 solve (the parts carry ~16 bits), two batches and heads, also where
+    powers of ``L`` reach 1e16; the high part alone is within bf16 rounding."""
+    akk, beta = _akk_and_beta(correlated, 2, 2, 2, seed=3)
+    hi, lo = jax.jit(functools.partial(scaled_inverse, interpret=True))(akk, beta)
+    ref = jax.jit(scaled_inverse_reference)(akk, beta)
+    assert hi.dtype == lo.dtype == jnp.bfloat16 and hi.shape == akk.shape
+    assert rel_rms(ref, hi.astype(jnp.float32) + lo.astype(jnp.float32)) <= FP32_TOL
+    assert rel_rms(ref, hi) <= BF16_OUT_TOL
+
+
 @pytest.mark.parametrize("correlated, b, h", [(False, 2, 2), (True, 1, 2)])
 def test_wy_values_and_gradients_match_reference(correlated, b, h):
     """``W, U`` (K = 128, V = 64) and the gradients of ``akk``, ``beta``, ``xk``, ``v``
@@ -155,6 +174,7 @@ def test_wy_lowers_for_cuda(width, dtype):
     f = lambda *a: wy(*a, w_dtype=dtype)  # noqa: E731
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     jax.jit(lambda a, c: jax.vjp(f, *a)[1](c)).trace(args, cts).lower(lowering_platforms=("cuda",))
+    jax.jit(scaled_inverse).trace(*args[:2]).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("name, changes", [
