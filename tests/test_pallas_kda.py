@@ -329,5 +329,9 @@ def test_bad_inputs_raise_and_supports_is_fail_closed():
         kda_pallas(q, q, q, q, jnp.zeros((1, 8, 1)), scale=1.0, chunk_size=32)
     assert not supports(q, q, v, q, jnp.zeros((1, 8, 1)))
     assert not supports(q.astype(jnp.float32), q, q, q, jnp.zeros((1, 8, 1)))  # fp32 not claimed
+    rows = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="inverse is for a forward without backward"):
+        state_fwd(rows, rows, rows, rows, rows, jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64)),
+                  chunk_size=64, save=True, inverse=(rows, rows))
     if jax.devices()[0].platform == "cpu":
         assert not supports(q, q, q, q, jnp.zeros((1, 8, 1)))  # kernels need an sm_90 GPU

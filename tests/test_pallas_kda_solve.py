@@ -190,3 +190,13 @@ def test_wy_rejects_bad_inputs(name, changes):
             "xk": jnp.zeros((1, 2, 128, 64)), "v": jnp.zeros((1, 128, 2, 64)), **changes}
     with pytest.raises(ValueError, match=f"wy: {name} must be"):
         wy(args.pop("akk"), args.pop("beta"), args.pop("xk"), args.pop("v"), **args)
+
+
+@pytest.mark.parametrize("name, akk, beta", [
+    ("akk", jnp.zeros((1, 2, 128, 32)), jnp.zeros((1, 2, 128))),
+    ("beta", jnp.zeros((1, 2, 128, CHUNK)), jnp.zeros((1, 128, 2))),   # token-major beta
+    ("akk", jnp.zeros((1, 2, 128, CHUNK), jnp.int32), jnp.zeros((1, 2, 128))),
+])
+def test_scaled_inverse_rejects_bad_inputs(name, akk, beta):
+    with pytest.raises(ValueError, match=f"scaled_inverse: {name} must be"):
+        scaled_inverse(akk, beta)
