@@ -223,6 +223,43 @@ def bf16_parts(z):
     return hi, (z.astype(F32) - hi.astype(F32)).astype(BF16)
 
 
+class _Staged(NamedTuple):
+    """An operand the WY kernels bring to SMEM by TMA as its bf16 parts (:func:`bf16_parts`), into
+    ``[parts, width / KT, C, KT]`` tiles: the tensor cores' operands as they are."""
+
+    parts: int
+    width: int
+    token_major: bool
+
+    def tile(self, z_s, i) -> list:
+        """Column tile ``i`` of every part."""
+        return [z_s.at[p, i] for p in range(self.parts)]
+
+
+def _split_refs(refs, counts):
+    """``refs`` cut into groups of ``counts``, then the rest."""
+    groups = []
+    for n in counts:
+        groups.append(refs[:n])
+        refs = refs[n:]
+    return groups, refs
+
+
+def _stage(staged, part_refs, smem, at: _Chunk, bar) -> None:
+    """Start the TMA copies of this chunk's tiles of every staged operand, all on ``bar``."""
+    for op, refs, z_s in zip(staged, part_refs, smem, strict=True):
+        for p, ref in enumerate(refs):
+            for i, cols in enumerate(column_tiles(op.width)):
+                plgpu.copy_gmem_to_smem(_view(ref, at, cols, op.token_major), z_s.at[p, i], bar)
+
+
+def _staging_scratch(staged) -> tuple:
+    """SMEM for the staged operands, then the barrier their copies arrive on."""
+    copies = sum(op.parts * (op.width // KT) for op in staged)
+    return (*(tiles((op.parts, op.width // KT, CHUNK, KT)) for op in staged),
+            plgpu.Barrier(num_arrivals=copies))
+
+
 def _inverse(akk_ref, beta_ref, at: _Chunk, scratch):
     """The chunk's ``T`` (fp32 ``[C, C]`` registers) from ``Akk`` and ``beta`` in GMEM;
     ``scratch``: :func:`_inverse_scratch`."""
@@ -250,9 +287,8 @@ def _scaled_inverse_call(akk, beta, *, interpret):
     def body(akk_ref, beta_ref, hi_ref, lo_ref, *scratch):
         at = _this_chunk()
         tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch), beta_ref, at)
-        hi = tb.astype(BF16)
-        _view(hi_ref, at, ALL)[...] = hi
-        _view(lo_ref, at, ALL)[...] = (tb - hi.astype(F32)).astype(BF16)
+        for ref, part in zip((hi_ref, lo_ref), bf16_parts(tb), strict=True):
+            _view(ref, at, ALL)[...] = part
 
     part = jax.ShapeDtypeStruct(akk.shape, BF16)
     run = kernel(body, "kda_scaled_inverse", interpret, out_type=(part, part),
@@ -273,35 +309,27 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
     CTA), and every product of the chunk is issued at once."""
     nb, h, tp, _ = akk.shape
     dk, dv = xk_parts[0].shape[-1], v_parts[0].shape[-1]
-    operands = ((xk_parts, False, dk), (v_parts, True, dv))
-    n_copies = sum(len(parts) * (n // KT) for parts, _, n in operands)
-    n_xk, n_in = len(xk_parts), len(xk_parts) + len(v_parts)
+    staged = (_Staged(len(xk_parts), dk, False), _Staged(len(v_parts), dv, True))
 
     def body(akk_ref, beta_ref, *refs):
-        part_refs, refs = (refs[:n_xk], refs[n_xk:n_in]), refs[n_in:]
+        part_refs, refs = _split_refs(refs, [op.parts for op in staged])
         t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
         w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, xk_s, v_s, bar = refs
         at = _this_chunk()
-        for (parts, token_major, n), refs_, z_s in zip(operands, part_refs, (xk_s, v_s)):
-            for p, ref in enumerate(refs_):
-                for i, cols in enumerate(column_tiles(n)):
-                    plgpu.copy_gmem_to_smem(_view(ref, at, cols, token_major), z_s.at[p, i], bar)
+        _stage(staged, part_refs, (xk_s, v_s), at, bar)
         t = _inverse(akk_ref, beta_ref, at, (l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo))
         if save_t:
             _view(t_ref, at, ALL)[...] = t
         store_split(_scaled_columns(t, beta_ref, at), (t_hi, t_lo))
         plgpu.commit_smem()
         plgpu.barrier_wait(bar)
-        for (parts, _, n), z_s, out_ref in zip(operands, (xk_s, v_s), (w_ref, u_ref)):
-            specs = [((CHUNK, KT), *_split_pairs((t_hi, t_lo),
-                                                 [z_s.at[p, i] for p in range(len(parts))]))
-                     for i in range(n // KT)]
-            for cols, out in zip(column_tiles(n), products(*specs)):
+        for op, z_s, out_ref in zip(staged, (xk_s, v_s), (w_ref, u_ref)):
+            specs = [((CHUNK, KT), *_split_pairs((t_hi, t_lo), op.tile(z_s, i)))
+                     for i in range(op.width // KT)]
+            for cols, out in zip(column_tiles(op.width), products(*specs)):
                 _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
 
-    scratch = (*_inverse_scratch(),
-               *(tiles((len(parts), n // KT, CHUNK, KT)) for parts, _, n in operands),
-               plgpu.Barrier(num_arrivals=n_copies))
+    scratch = (*_inverse_scratch(), *_staging_scratch(staged))
     sds = jax.ShapeDtypeStruct
     out_type = (sds(akk.shape, F32),) * save_t + (sds((nb, h, tp, dk), w_dtype),
                                                   sds((nb, h, tp, dv), F32))
@@ -336,30 +364,24 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
     split, from registers loaded while they arrive."""
     nb, h, tp, _ = t.shape
     dk, dv = xk_parts[0].shape[-1], v_parts[0].shape[-1]
-    counts = (len(xk_parts), len(v_parts), len(dw_parts))
-    staged = ((False, dk), (True, dv), (False, dk))  # (token-major, width) of xk, v, dW
+    xk_op, v_op, _ = staged = (_Staged(len(xk_parts), dk, False),
+                                   _Staged(len(v_parts), dv, True),
+                                   _Staged(len(dw_parts), dk, False))
 
     def body(t_ref, akk_ref, beta_ref, *refs):
-        groups = []
-        for n in counts:
-            groups.append(refs[:n])
-            refs = refs[n:]
+        part_refs, refs = _split_refs(refs, [op.parts for op in staged])
         du_ref, dakk_ref, dbeta_ref, dxk_ref, dv_ref, t_hi, t_lo, *scratch = refs
         (a_hi, a_lo, b_hi, b_lo), (xk_s, v_s, dw_s), bar = scratch[:4], scratch[4:7], scratch[7]
         at = _this_chunk()
-        for part_refs, z_s, (token_major, n) in zip(groups, (xk_s, v_s, dw_s), staged):
-            for p, ref in enumerate(part_refs):
-                for i, cols in enumerate(column_tiles(n)):
-                    plgpu.copy_gmem_to_smem(_view(ref, at, cols, token_major), z_s.at[p, i], bar)
+        _stage(staged, part_refs, (xk_s, v_s, dw_s), at, bar)
         du_tiles = [load(_view(du_ref, at, cols)) for cols in column_tiles(dv)]
         beta_rows = _beta_rows(beta_ref, at)
         t_parts = (t_hi, t_lo)
         store_split(load(_view(t_ref, at, ALL)), t_parts)
         plgpu.commit_smem()
         plgpu.barrier_wait(bar)
-        xk_t = lambda i: [xk_s.at[p, i] for p in range(counts[0])]  # noqa: E731
-        v_t = lambda i: [v_s.at[p, i] for p in range(counts[1])]  # noqa: E731
-        dw_t = lambda i: [dw_s.at[p, i] for p in range(counts[2])]  # noqa: E731
+        xk_t, v_t, dw_t = (functools.partial(op.tile, z_s)
+                           for op, z_s in zip(staged, (xk_s, v_s, dw_s)))
         t_tr = [x.T for x in t_parts]
         # dW's products, every tile at once: dW xk^T (summed over tiles) and T^T dW per tile
         nk = dk // KT
@@ -390,13 +412,11 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
         dbeta = dbeta + jnp.sum(jnp.where(_strictly_lower(), dl * akk, 0.0), axis=1)
         dbeta_ref.at[at.b, at.h, at.tok][...] = dbeta
 
-    dtype = lambda parts: BF16 if len(parts) == 1 else F32  # noqa: E731
-    scratch = (*(tiles(FULL) for _ in range(6)),
-               *(tiles((n_parts, n // KT, CHUNK, KT)) for n_parts, (_, n) in zip(counts, staged)),
-               plgpu.Barrier(num_arrivals=sum(c * (n // KT) for c, (_, n) in zip(counts, staged))))
+    dtype = lambda op: BF16 if op.parts == 1 else F32  # noqa: E731
+    scratch = (*(tiles(FULL) for _ in range(6)), *_staging_scratch(staged))
     sds = jax.ShapeDtypeStruct
     out_type = (sds(akk.shape, F32), sds(beta.shape, F32),
-                sds((nb, h, tp, dk), dtype(xk_parts)), sds((nb, tp, h, dv), dtype(v_parts)))
+                sds((nb, h, tp, dk), dtype(xk_op)), sds((nb, tp, h, dv), dtype(v_op)))
     run = kernel(body, "kda_wy_bwd", interpret, out_type=out_type, grid=(tp // CHUNK, h, nb),
                  grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(t, akk, beta, *xk_parts, *v_parts, *dw_parts, du)
