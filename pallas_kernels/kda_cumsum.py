@@ -145,12 +145,14 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
 
         def gate_tile(t, _):
             ch, q_s, k_s = pl.ds(t * KT, KT), qk_s.at[0, t], qk_s.at[1, t]
-            factors = gate_factors(x_s.at[:, ch], mask_refs, bi, ni)
+            g_tile = x_s.at[:, ch]
+            g = load(g_tile)  # both the factors and the flags read it
+            factors = gate_factors(g, g_tile, mask_refs, bi, ni)
             products = gated_operands(q_s, k_s, factors, scale)
             for dst, x in zip((q_s, k_s, parts_s.at[t]), products):
                 dst[...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]
-            ok_ref.at[bi, hi, ni, ch][...] = bounded_channels(x_s.at[:, ch])
+            ok_ref.at[bi, hi, ni, ch][...] = bounded_channels(g, g_tile)
 
         lax.fori_loop(0, nh, gate_tile, None)
         plgpu.commit_smem()

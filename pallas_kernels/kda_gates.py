@@ -77,25 +77,25 @@ def anchor_rows(lg: int, g_ref):
     return anchor
 
 
-def bounded_channels(g_tile):
-    """``[KT]`` COL fp32: 1 for a channel of the plain SMEM tile ``g_tile`` (``G``, ``[C, KT]``)
-    whose every row lies within :data:`BOUND` nats of its 32-row block's row 16, else 0 (also for a
-    NaN): a chunk whose channels are all 1 takes the scores' bounded path
+def bounded_channels(g, g_tile):
+    """``[KT]`` COL fp32: 1 for a channel of ``G`` (``g``: the plain SMEM tile ``g_tile``,
+    ``[C, KT]``, loaded) whose every row lies within :data:`BOUND` nats of its 32-row block's row
+    16, else 0 (also for a NaN): a chunk whose channels are all 1 takes the scores' bounded path
     (:func:`bounded_chunks`)."""
-    spread = jnp.abs(load(g_tile) - anchor_rows(BOUNDED_LG, g_tile))
+    spread = jnp.abs(g - anchor_rows(BOUNDED_LG, g_tile))
     # The min over rows spans the warpgroup's four warps, which Mosaic reduces through one SMEM
     # scratch per kernel: only a kernel of one warpgroup may call this (see _last_row_sums).
     return jnp.min(jnp.where(spread <= BOUND, 1.0, 0.0), axis=0)
 
 
-def gate_factors(g_tile, masks, bi, ni):
+def gate_factors(g, g_tile, masks, bi, ni):
     """One channel tile's decay factors (module docstring, "Gates"):
     ``(into [C, KT], to_end [C, KT], gamma [KT] COL)`` =
     ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
 
-    g_tile: plain SMEM ``[C, KT]`` fp32; ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
+    g: the plain SMEM tile ``g_tile`` (``[C, KT]`` fp32), loaded; ``masks``: ``()`` or the refs
+    ``(seg, enter, leave)``.
     """
-    g = load(g_tile)
     last = load(g_tile.at[CHUNK - 1], COL)
     into, to_end, gamma = jnp.exp(g), jnp.exp(per_col(last, (CHUNK, KT)) - g), jnp.exp(last)
     if masks:

@@ -368,7 +368,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                           for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
-            factors = gates.gate_factors(g_s, mask_refs, bi, ni)
+            factors = gates.gate_factors(load(g_s), g_s, mask_refs, bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
             dq, dk, dg = gates.gate_chain(dq, dk, dg, qv, kv, factors, d_products,
                                           load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
