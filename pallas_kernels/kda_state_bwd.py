@@ -11,12 +11,13 @@ by the forward), ``Vt`` its saved ``U - W S`` and ``dS`` the gradient of the sta
     dgamma = rowsum(S * dS)
 
 Only the first two lines are serial. The recurrence kernel runs them (one CTA, one warpgroup, per
-``(value tile of 64 columns, head, batch)``, chunks last to first, ``dS`` in fp32 registers, the
-chunk's inputs by TMA one chunk ahead) and saves each chunk's ``dS`` and ``dVt`` (bf16, as the
-forward saves ``S`` and ``Vt``; ``dVt`` also in fp32, the gradient of ``U``); the last two lines are
-independent per chunk and run afterwards in :mod:`pallas_kernels.kda_state_grads`, over all value
-columns at once. (Doing all of it per chunk in the recurrence would put the products on the serial
-chain, whose step time is the kernel's time when few heads leave most SMs idle.)
+``(value tile of 64 columns, or 32 with few chains, head, batch)``, chunks last to first, ``dS``
+in fp32 registers, the chunk's inputs by TMA one chunk ahead) and saves each chunk's ``dS`` and
+``dVt`` (bf16, as the forward saves ``S`` and ``Vt``; ``dVt`` also in fp32, the gradient of
+``U``); the last two lines are independent per chunk and run afterwards in
+:mod:`pallas_kernels.kda_state_grads`, over all value columns at once. (Doing all of it per chunk
+in the recurrence would put the products on the serial chain, whose step time is the kernel's
+time when few heads leave most SMs idle.)
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from pallas_kernels._mgpu import (
     tiles,
 )
 
-BLOCK_V = 64  # the value tile of the backward's serial kernel, and of the forward at most chains
+BLOCK_V = 64  # the widest value tile of the backward's serial kernel and, with two chunks in
+# flight, of the forward (wider forward tiles keep one chunk in flight)
 FEW_CHAINS = 16  # (batch, head) chains up to which the state kernels take half-width value tiles
 MANY_CHAINS = 32  # chains above which the forward takes the whole value width in one tile
 

@@ -31,7 +31,7 @@ from pallas_kernels.kda_prep import (
     state_pass_reference,
 )
 from pallas_kernels.kda_scores import gated_scores_reference
-from pallas_kernels.kda_solve import scaled_inverse_reference, wy_reference
+from pallas_kernels.kda_solve import bf16_parts, scaled_inverse_reference, wy_reference
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import BLOCK_V, FEW_CHAINS, state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
@@ -179,9 +179,7 @@ def test_state_pass_applying_inverse_matches_plain_jax(block_v):
         q, k, v, g, beta, h0 = args
         s = gated_scores_reference(q, k, g, scale=0.125)
         beta = jnp.swapaxes(beta, 1, 2)
-        tb = scaled_inverse_reference(s.akk, beta)
-        hi = tb.astype(jnp.bfloat16)
-        inverse = (hi, (tb - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+        inverse = bf16_parts(scaled_inverse_reference(s.akk, beta))  # what scaled_inverse writes
         qg, kg, xk, aqk = (_bf16(x) for x in (s.qg, s.kg, s.xk, s.aqk))
         w, u = wy_reference(s.akk, beta, xk, v)
         ref = state_pass_reference(Prepared(qg, kg, w, u, aqk, s.gamma), h0, 64)
