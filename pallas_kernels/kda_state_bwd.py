@@ -11,13 +11,15 @@ by the forward), ``Vt`` its saved ``U - W S`` and ``dS`` the gradient of the sta
     dgamma = rowsum(S * dS)
 
 Only the first two lines are serial. The recurrence kernel runs them (one CTA, one warpgroup, per
-``(value tile of 64 columns, or 32 with few chains, head, batch)``, chunks last to first, ``dS``
-in fp32 registers, the chunk's inputs by TMA one chunk ahead) and saves each chunk's ``dS`` and
-``dVt`` (bf16, as the forward saves ``S`` and ``Vt``; ``dVt`` also in fp32, the gradient of
-``U``); the last two lines are independent per chunk and run afterwards in
-:mod:`pallas_kernels.kda_state_grads`, over all value columns at once. (Doing all of it per chunk
-in the recurrence would put the products on the serial chain, whose step time is the kernel's
-time when few heads leave most SMs idle.)
+``(value tile, head, batch)``, the tile's width by
+:func:`~pallas_kernels.kda_state_fwd.value_tile`, chunks last to first, ``dS`` in fp32 registers,
+the chunk's inputs by TMA one chunk ahead) and saves each chunk's ``dS`` and ``-dVt`` (bf16, as the
+forward saves ``S`` and ``Vt``; ``-dVt`` is the operand of ``- W^T dVt``, which accumulates onto
+``gamma * dS`` with ``Qg^T dO``: a 128 x 128 fp32 ``dS`` leaves no registers for a separate
+accumulator) and ``dVt`` in fp32, the gradient of ``U``; the last two lines are
+independent per chunk and run afterwards in :mod:`pallas_kernels.kda_state_grads`, over all value
+columns at once. (Doing all of it per chunk in the recurrence would put the products on the serial
+chain, whose step time is the kernel's time when few heads leave most SMs idle.)
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
+    matmul_onto,
     per_row,
-    products,
-    tiles,
 )
 from pallas_kernels.kda_state_fwd import operand_tiles, value_tile
 from pallas_kernels.kda_state_grads import state_grads
@@ -45,17 +46,17 @@ from pallas_kernels.kda_state_grads import state_grads
 
 def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, block_v: int | None,
                      interpret: bool):
-    """The serial kernel: ``(du [B, H, Tp, V] fp32, dvt`` (the same values in bf16, the products'
-    operand), ``dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
+    """The serial kernel: ``(du [B, H, Tp, V] fp32, -dVt`` (bf16, the products' operand),
+    ``dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
     b, h, tp, dk = qg.shape
     dv, c = do.shape[-1], chunk_size
-    nc, bv = tp // c, block_v or value_tile(b, h)
+    nc, bv = tp // c, block_v or value_tile(b, h, dv)
     sds = jax.ShapeDtypeStruct
     out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
                 sds((b, h, dk, dv), F32))
 
-    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, dvt_ref, dst_ref,
-             dh0_ref, qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, dvt_s, du_s, bars):
+    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, neg_dvt_ref, dst_ref,
+             dh0_ref, qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, neg_dvt_s, bars):
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
 
@@ -70,31 +71,30 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
 
         def step(i, ds):
             n = nc - 1 - i
-            slot = lax.rem(i, 2)
+            slot, tok = lax.rem(i, 2), pl.ds(n * c, c)
 
             @pl.when(n > 0)
             def _():
                 fetch(n - 1, 1 - slot)
 
             plgpu.barrier_wait(bars.at[slot])
-            # the last chunk's stores have read dS, dVt
+            gam = load(gam_s.at[slot], ROW)
+            # the last chunk's stores have read dS and -dVt
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             ds_s[...] = ds.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, dst_ref.at[bi, hi, n, :, cols], commit_group=False)
-            # Qg^T dO does not need dVt: issued with it, waited for once.
-            dvt, read = products(((c, bv), (a_s.at[slot].T, do_s.at[slot]), (kg_s.at[slot], ds_s)),
-                                 ((dk, bv), (qg_s.at[slot].T, do_s.at[slot])))
-            dvt_s[...] = dvt.astype(BF16)
-            du_s[...] = dvt
+            dvt = matmul((c, bv), (a_s.at[slot].T, do_s.at[slot]), (kg_s.at[slot], ds_s))
+            neg_dvt_s[...] = (-dvt).astype(BF16)  # the operand of -W^T dVt (and of dW)
             plgpu.commit_smem()
-            for src, dst in ((du_s, du_ref), (dvt_s, dvt_ref)):
-                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, pl.ds(n * c, c), cols],
-                                        commit_group=False)
+            plgpu.copy_smem_to_gmem(neg_dvt_s, neg_dvt_ref.at[bi, hi, tok, cols],
+                                    commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = per_row(load(gam_s.at[slot], ROW), (dk, bv))
-            kept = ds * decay + read
-            return kept - matmul((dk, bv), (w_s.at[slot].T, dvt_s))
+            # fp32 straight from registers: a 128-column tile leaves no SMEM to stage it
+            du_ref.at[bi, hi, tok, cols][...] = dvt
+            # dS <- gamma dS + Qg^T dO - W^T dVt, accumulated onto gamma dS
+            return matmul_onto(ds * per_row(gam, (dk, bv)), (qg_s.at[slot].T, do_s.at[slot]),
+                               (w_s.at[slot].T, neg_dvt_s), interpret=interpret)
 
         ds = lax.fori_loop(0, nc, step, ds0)
         dh0_ref.at[bi, hi, :, cols][...] = ds
@@ -107,8 +107,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
         bf16_tiles((2, c, bv)),  # do
         plgpu.SMEM((2, dk), F32),  # gamma
         bf16_tiles((dk, bv)),  # dS (bf16 operand, and what is saved)
-        bf16_tiles((c, bv)),  # dVt (bf16 operand)
-        tiles((c, bv), F32),  # dVt (fp32, what is saved as dU)
+        bf16_tiles((c, bv)),  # -dVt (bf16 operand, and what is saved)
         plgpu.Barrier(num_arrivals=6, num_barriers=2),
     )
     run = kernel(body, "kda_state_bwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
@@ -134,7 +133,7 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16,
       ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
-    du, dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
+    du, neg_dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
                                              chunk_size=chunk_size, block_v=block_v,
                                              interpret=interpret)
-    return (*state_grads(states, dstates, vt, dvt, do, interpret=interpret), du, dh0)
+    return (*state_grads(states, dstates, vt, neg_dvt, do, interpret=interpret), du, dh0)

@@ -2,7 +2,7 @@
 
 Reference: :func:`pallas_kernels.kda_prep.state_pass_reference`. One CTA per
 ``(value tile, head, batch)`` walks the chunks in order (the tile's width:
-:func:`forward_value_tile`). Per chunk (operands bf16 in SMEM, fp32 accumulation on WGMMA):
+:func:`value_tile`). Per chunk (operands bf16 in SMEM, fp32 accumulation on WGMMA):
 
     Vt = U - W S;   O = Qg S + Aqk Vt;   S <- gamma * S + Kg^T Vt
 
@@ -38,24 +38,24 @@ from pallas_kernels._mgpu import (
     tiles,
 )
 
-BLOCK_V = 64  # the widest value tile of the backward's serial kernel and, with two chunks in
-# flight, of the forward (wider forward tiles keep one chunk in flight)
+BLOCK_V = 64  # the value tile between FEW_CHAINS and MANY_CHAINS chains: the widest at which the
+# forward keeps two chunks in flight
 FEW_CHAINS = 16  # (batch, head) chains up to which the state kernels take half-width value tiles
-MANY_CHAINS = 32  # chains above which the forward takes the whole value width in one tile
+MANY_CHAINS = 32  # chains above which they take the whole value width in one tile
 
 
-def value_tile(b: int, h: int) -> int:
-    """Value columns per CTA of the state kernels for ``b * h`` chains. With few chains a CTA per
-    chain and 64-column tile leaves most SMs idle and the chains' serial steps are the kernel's
-    time: 32-column tiles halve each step's tensor-core work and put twice the CTAs on the SMs."""
-    return BLOCK_V // 2 if b * h <= FEW_CHAINS else BLOCK_V
+def value_tile(b: int, h: int, dv: int) -> int:
+    """Value columns per CTA of the state kernels (forward and backward) for ``b * h`` chains.
 
-
-def forward_value_tile(b: int, h: int, dv: int) -> int:
-    """The forward's value tile: :func:`value_tile`, or all ``dv`` columns above
-    :data:`MANY_CHAINS` chains. There the SMs are full either way and the pass is bound by what it
-    reads; every value tile of a chain reads the chain's ``Qg``, ``Kg``, ``W`` and ``Aqk`` again."""
-    return dv if b * h > MANY_CHAINS else min(value_tile(b, h), dv)
+    With few chains a CTA per chain and 64-column tile leaves most SMs idle and the chains' serial
+    steps are the kernel's time: 32-column tiles halve each step's tensor-core work and put twice
+    the CTAs on the SMs. With many the SMs are full either way and the pass is bound by what it
+    reads: every value tile of a chain reads the chain's ``Qg``, ``Kg``, ``W`` and ``Aqk`` again,
+    so above :data:`MANY_CHAINS` one tile takes all ``dv`` columns."""
+    chains = b * h
+    if chains > MANY_CHAINS:
+        return dv
+    return min(BLOCK_V // 2 if chains <= FEW_CHAINS else BLOCK_V, dv)
 
 
 def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
@@ -68,7 +68,7 @@ def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
 def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
               block_v: int | None = None, inverse=None, interpret: bool = False):
     """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
-    kept for it; ``block_v``: the value tile (default :func:`forward_value_tile`).
+    kept for it; ``block_v``: the value tile (default :func:`value_tile`).
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
@@ -85,7 +85,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
-    nc, bv = tp // c, block_v or forward_value_tile(b, h, dv)
+    nc, bv = tp // c, block_v or value_tile(b, h, dv)
     depth = 1 if bv > BLOCK_V else 2  # chunks in flight on the outputs' side
     applies_inverse = inverse is not None
     if applies_inverse and save:

@@ -33,7 +33,7 @@ from pallas_kernels.kda_prep import (
 from pallas_kernels.kda_scores import gated_scores_reference
 from pallas_kernels.kda_solve import bf16_parts, scaled_inverse_reference, wy_reference
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import BLOCK_V, FEW_CHAINS, state_fwd
+from pallas_kernels.kda_state_fwd import FEW_CHAINS, state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -129,8 +129,8 @@ def test_prep_reference_matches_recurrence_fp32_correlated_keys():
 def test_state_kernels_match_plain_jax(dv, block_v):
     """Forward and backward state kernels against the plain-JAX state pass and its VJP, on the
     same bf16-rounded operands (isolates the kernels from the token-parallel part), one, two and
-    four value tiles (the 32-wide tiles of few chains); one 128-wide tile (the forward's with many
-    chains, one chunk in flight; the backward kernel keeps 64)."""
+    four value tiles (the 32-wide tiles of few chains); one 128-wide tile (many chains; the
+    forward then has one chunk in flight)."""
     # five chunks: both slots reused
     args, _, _ = _bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
 
@@ -157,8 +157,7 @@ def test_state_kernels_match_plain_jax(dv, block_v):
     assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
     bwd = jax.jit(lambda p, st, vt, do, dfin: state_bwd(
         _bf16(p.qg), _bf16(p.kg), _bf16(p.w), _bf16(p.aqk), p.gamma, st, vt,
-        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, block_v=min(block_v, BLOCK_V),
-        interpret=True))
+        _bf16(jnp.swapaxes(do, 1, 2)), dfin, chunk_size=64, block_v=block_v, interpret=True))
     dqg, dkg, dw, da, dgam, du, dh0 = bwd(p, st, vt, do, dfin)
     pairs = [(rp.qg, dqg), (rp.kg, dkg), (rp.w, dw), (rp.aqk, da),
              (rp.gamma, dgam), (rp.u, du), (rh0, dh0)]
@@ -235,7 +234,7 @@ def test_state_kernels_lower_for_cuda():
     bwd_in = (rows(d, bf), rows(d, bf), rows(d, bf), rows(c, bf), sd((b, h, nc, d), f32),
               sd((b, h, nc, d, d), bf), rows(d, bf), sd((b, nc * c, h, d), bf),
               sd((b, h, d, d), f32))
-    for block_v in (64, 32):
+    for block_v in (64, 32, 128):
         jax.jit(lambda *a: state_bwd(*a, chunk_size=c, block_v=block_v)).trace(*bwd_in).lower(
             lowering_platforms=("cuda",))
 
