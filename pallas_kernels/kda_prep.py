@@ -115,10 +115,10 @@ def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
 
 
 def prepare_applying_inverse(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
-                             interpret: bool = False) -> tuple[Prepared, tuple]:
+                             interpret: bool = False) -> tuple[Prepared, jax.Array]:
     """:func:`prepare` for a state pass that applies the chunk inverse itself (forward only):
-    ``(Prepared with w = xk and u = v, padded and token-major bf16; (hi, lo))``, the second
-    :func:`~pallas_kernels.kda_solve.scaled_inverse` (see
+    ``(Prepared with w = xk and u = v, padded and token-major bf16; T diag(beta))``, the second
+    from :func:`~pallas_kernels.kda_solve.scaled_inverse` (see
     :func:`~pallas_kernels.kda_state_fwd.state_fwd`'s ``inverse``). Not differentiable."""
     _check_chunk("prepare_applying_inverse", chunk_size)
     s, beta = _scores(q, k, g, beta, scale, segment_ids, interpret)

@@ -73,8 +73,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
       gamma: ``[B, H, NC, K]`` fp32.  h0: ``[B, H, K, V]`` fp32 (zeros for no initial state).
-      inverse: ``None``, or (forward only, ``save=False``) the chunks' ``T diag(beta)`` as the
-        ``(hi, lo)`` bf16 parts of :func:`~pallas_kernels.kda_solve.scaled_inverse`; then ``w`` is
+      inverse: ``None``, or (forward only, ``save=False``) the chunks' ``T diag(beta)``, bf16
+        ``[B, H, Tp, C]`` (:func:`~pallas_kernels.kda_solve.scaled_inverse`); then ``w`` is
         ``xk`` and ``u`` the values ``v`` (bf16, token-major ``[B, Tp, H, V]``), and the pass
         forms ``Vt = U - W S = (T diag(beta)) (v - xk S)`` itself: ``W`` and ``U`` are never
         written, for one more product on the serial chain.
@@ -97,7 +97,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                      jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, *refs):
-        t_refs, refs = (refs[:2], refs[2:]) if applies_inverse else ((), refs)
+        t_refs, refs = (refs[:1], refs[1:]) if applies_inverse else ((), refs)
         o_ref, fin_ref, *refs = refs
         (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
         (qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done,
@@ -135,7 +135,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                 vt_s.at[out][...] = (-neg_vt).astype(BF16)
                 plgpu.commit_smem()
                 if applies_inverse:  # that was v - xk S, the operand of T diag(beta)
-                    vt = matmul((c, bv), *((t.at[slot], vt_s.at[out]) for t in t_s))
+                    vt = matmul((c, bv), (t_s[0].at[slot], vt_s.at[out]))
                     vt_s.at[out][...] = vt.astype(BF16)
                     plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[out])
@@ -192,14 +192,14 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
         bf16_tiles((depth, dk, bv)),  # state entering the chunk
         bf16_tiles((depth, c, bv)),  # vt
         bf16_tiles((depth, c, bv)),  # o
-        plgpu.Barrier(num_arrivals=4 + 2 * applies_inverse, num_barriers=2),  # the state's inputs
+        plgpu.Barrier(num_arrivals=4 + applies_inverse, num_barriers=2),  # the state's inputs
         plgpu.Barrier(num_arrivals=2, num_barriers=depth),  # the outputs' inputs
         plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # S and Vt of a chunk are in SMEM
         plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # the outputs are done reading them
         plgpu.Barrier(num_arrivals=2),  # both warpgroups are done (finish_together)
-        *(bf16_tiles((2, c, c)) for _ in range(2 * applies_inverse)),  # T diag(beta), hi and lo
+        *(bf16_tiles((2, c, c)) for _ in range(applies_inverse)),  # T diag(beta)
     )
     name = "kda_state_fwd_applying_inverse" if applies_inverse else "kda_state_fwd"
     run = kernel(body, name, interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
-    return run(qg, kg, w, u, aqk, gamma, h0, *(inverse or ()))
+    return run(qg, kg, w, u, aqk, gamma, h0, *(() if inverse is None else (inverse,)))

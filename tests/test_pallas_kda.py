@@ -31,7 +31,7 @@ from pallas_kernels.kda_prep import (
     state_pass_reference,
 )
 from pallas_kernels.kda_scores import gated_scores_reference
-from pallas_kernels.kda_solve import bf16_parts, scaled_inverse_reference, wy_reference
+from pallas_kernels.kda_solve import scaled_inverse_reference, wy_reference
 from pallas_kernels.kda_state_bwd import state_bwd
 from pallas_kernels.kda_state_fwd import FEW_CHAINS, state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
@@ -178,7 +178,7 @@ def test_state_pass_applying_inverse_matches_plain_jax(block_v):
         q, k, v, g, beta, h0 = args
         s = gated_scores_reference(q, k, g, scale=0.125)
         beta = jnp.swapaxes(beta, 1, 2)
-        inverse = bf16_parts(scaled_inverse_reference(s.akk, beta))  # what scaled_inverse writes
+        inverse = _bf16(scaled_inverse_reference(s.akk, beta))
         qg, kg, xk, aqk = (_bf16(x) for x in (s.qg, s.kg, s.xk, s.aqk))
         w, u = wy_reference(s.akk, beta, xk, v)
         ref = state_pass_reference(Prepared(qg, kg, w, u, aqk, s.gamma), h0, 64)
@@ -226,7 +226,7 @@ def test_state_kernels_lower_for_cuda():
         jax.jit(lambda *a: state_fwd(*a, chunk_size=c, save=save, block_v=block_v)).trace(
             *fwd_in).lower(lowering_platforms=("cuda",))
     applying_in = (*fwd_in[:3], sd((b, nc * c, h, d), bf), *fwd_in[4:])  # v token-major, bf16
-    inverse = (rows(c, bf), rows(c, bf))
+    inverse = rows(c, bf)
     for block_v in (32, 64, 128):
         jax.jit(lambda a, t: state_fwd(*a, chunk_size=c, save=False, block_v=block_v,
                                        inverse=t)).trace(applying_in, inverse).lower(
@@ -329,6 +329,6 @@ def test_bad_inputs_raise_and_supports_is_fail_closed():
     rows = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="inverse is for a forward without backward"):
         state_fwd(rows, rows, rows, rows, rows, jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 64, 64)),
-                  chunk_size=64, save=True, inverse=(rows, rows))
+                  chunk_size=64, save=True, inverse=rows)
     if jax.devices()[0].platform == "cpu":
         assert not supports(q, q, q, q, jnp.zeros((1, 8, 1)))  # kernels need an sm_90 GPU
