@@ -21,11 +21,11 @@ v, g, beta, initial_state) gets its gradient. State and accumulation are fp32; t
 operands are bf16 (WGMMA), which bounds accuracy at bf16 level: fp32 inputs are therefore not
 claimed by :func:`supports` (the caller falls back to the chunked JAX op).
 
-A forward with no gradient to follow and more than ``FEW_CHAINS`` (batch, head) chains skips
+A forward with no gradient to follow and more than ``INVERSE_CHAINS`` (batch, head) chains skips
 ``W`` and ``U``: the solve kernel writes only ``T diag(beta)``
 (:func:`pallas_kernels.kda_solve.scaled_inverse`) and the state kernel forms
-``U - W S = T diag(beta) (v - Xk S)`` itself: one more product on its serial chain, so with few
-chains, where the chain's steps are the kernel's time, the forward keeps ``W`` and ``U``. A
+``U - W S = T diag(beta) (v - Xk S)`` itself: one more product on its serial chain, so with very
+few chains, where the chain's steps are the kernel's time, the forward keeps ``W`` and ``U``. A
 differentiated call takes the path above, whose kernels the backward needs (``jax.custom_vjp``
 at the op's level).
 """
@@ -41,7 +41,11 @@ from k3jax.devices import hopper_gpus
 from pallas_kernels._mgpu import CHUNK, HEAD_DIMS, shared_lowering
 from pallas_kernels.kda_prep import prepare, prepare_applying_inverse
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import BLOCK_V, FEW_CHAINS, state_fwd
+from pallas_kernels.kda_state_fwd import BLOCK_V, state_fwd
+
+# (batch, head) chains above which a forward without backward applies T diag(beta) in its state
+# pass: at 16 chains that is 2-4% faster than writing and rereading W and U (docs/benchmarks.md).
+INVERSE_CHAINS = 8
 
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
@@ -129,7 +133,7 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     dv = v.shape[-1]
     h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    op = (_kda_applying_inverse if b * h > FEW_CHAINS and v.dtype == jnp.bfloat16
+    op = (_kda_applying_inverse if b * h > INVERSE_CHAINS and v.dtype == jnp.bfloat16
           else _kda_through_wy)
     o, final = op(q, k, v, g, beta, h0, segment_ids, scale, interpret)
     o = o[:, :t].astype(q.dtype)  # bf16 [B, Tp, H, V] from the kernel

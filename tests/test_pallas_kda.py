@@ -23,7 +23,7 @@ from k3jax.ops.tolerance import (
     FP32_TOL,
     rel_rms,
 )
-from pallas_kernels.kda import kda_pallas, supports
+from pallas_kernels.kda import INVERSE_CHAINS, kda_pallas, supports
 from pallas_kernels.kda_prep import (
     Prepared,
     prepare,
@@ -33,7 +33,7 @@ from pallas_kernels.kda_prep import (
 from pallas_kernels.kda_scores import gated_scores_reference
 from pallas_kernels.kda_solve import scaled_inverse_reference, wy_reference
 from pallas_kernels.kda_state_bwd import state_bwd
-from pallas_kernels.kda_state_fwd import FEW_CHAINS, state_fwd
+from pallas_kernels.kda_state_fwd import state_fwd
 from pallas_kernels.kda_state_grads import chunk_products_reference, state_grads
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -292,11 +292,11 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
 
 
 def test_kda_pallas_many_chains_forward_applies_inverse():
-    """More than ``FEW_CHAINS`` (batch, head) chains with packed segments: the forward alone takes
-    the state pass that applies the chunk inverse, a differentiated call the path through ``W`` and
-    ``U`` (the backward needs them); values and all six gradients within math §10's bf16
-    tolerances either way."""
-    args, do, dfin = _bf16_case(6, 1, 90, FEW_CHAINS + 1, 64, 64, "softplus")
+    """More than ``INVERSE_CHAINS`` (batch, head) chains with packed segments: the forward alone
+    takes the state pass that applies the chunk inverse (at 32-wide value tiles), a differentiated
+    call the path through ``W`` and ``U`` (the backward needs them); values and all six gradients
+    within math §10's bf16 tolerances either way."""
+    args, do, dfin = _bf16_case(6, 1, 90, INVERSE_CHAINS + 1, 64, 64, "softplus")
     seg = jnp.array([[0] * 40 + [1] * 50])
     ref_o, ref_f = jax.jit(functools.partial(kda_reference, scale=0.125, segment_ids=seg))(
         *args[:5], initial_state=args[5])
