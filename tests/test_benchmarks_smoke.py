@@ -109,9 +109,11 @@ def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
     assert set(kernels) == {f"kda_{part}" for part in (
         "cumsum_gates", "scores_fwd", "wy_fwd", "state_fwd", "state_bwd", "state_grads",
         "wy_bwd", "scores_bwd", "cumsum_bwd")}, sorted(kernels)
-    assert all(r["calls"] == 1 and r["module_chars"] > 0 for r in kernels.values())
+    assert all(r["calls"] == 1 and r["module_chars"] > 0 and r["lower_s"] > 0
+               for r in kernels.values())
     (total,) = [r for r in rows if "kernels" in r]
     assert total["kernels"] == len(kernels) and total["compile_s"] is None  # nothing compiled
+    assert total["lower_s"] == pytest.approx(sum(r["lower_s"] for r in kernels.values()), abs=0.01)
 
 
 def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
