@@ -50,8 +50,8 @@ INVERSE_CHAINS = 8
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save", "block_v"))
-_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "block_v"))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save"))
+_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size",))
 
 
 def _bf16(x):

@@ -65,9 +65,9 @@ def _check_on_gpu(label, args, do, dfin, seg=None, inputs=_bf16):
     (4, 12, 128, 1024, "lower_bound", True)])
 def test_values_and_gradients_on_gpu(b, h, d, t, gate, segments):
     """2 x 4 and 1 x 12 chains take the state kernels' 32-wide value tiles, 2 x 12 the 64-wide
-    ones and 4 x 12 the 128-wide one; above ``INVERSE_CHAINS`` (8) chains the forward alone applies
-    the chunk inverse in its state pass (the values here), while the gradients go through ``W``
-    and ``U`` (every case: so the 32-wide tiles of both paths, at K = 64 and a padded T)."""
+    ones and 4 x 12 the 128-wide one. Above ``INVERSE_CHAINS`` (8) chains the forward alone
+    applies the chunk inverse in its state pass (the values here); the gradients always go
+    through ``W`` and ``U``. So 1 x 12 (K = 64, a padded T) takes both paths at 32-wide tiles."""
     args, do, dfin = kda_bf16_case(d + t + h, b, t, h, d, d, gate)
     seg = (jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(7), 0.004, (b, t)), axis=1)
            if segments else None)
