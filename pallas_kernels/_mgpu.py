@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -72,23 +74,50 @@ def load(ref, layout=WG) -> jax.Array:
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def products(*specs) -> tuple[jax.Array, ...]:
+class Registers(NamedTuple):
+    """A bf16 WGMMA-layout register array as a product's left operand: the tensor cores read it
+    from registers, so it needs no SMEM tile, store and commit before the product."""
+
+    value: jax.Array
+
+
+def products(*specs, interpret: bool = False) -> tuple[jax.Array, ...]:
     """Independent tensor-core products, issued back to back and waited for once (the latency of
     one round, not of each): every spec ``(shape, (a, b), ...)`` gives ``sum(a @ b)`` in an fp32
-    accumulator of ``shape`` (SMEM operands), returned in order."""
+    accumulator of ``shape``, returned in order. ``b`` is an SMEM ref, ``a`` one or
+    :class:`Registers`."""
+    if interpret and any(isinstance(a, Registers) for _, *pairs in specs for a, _ in pairs):
+        return _products_staged(specs)
 
     def scoped(*accs):
         for acc, (_, *pairs) in zip(accs, specs):
             for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
+                plgpu.wgmma(acc, a.value if isinstance(a, Registers) else a, b)
         return tuple(acc[...] for acc in accs)  # the first read waits for every product
 
     return pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, *_ in specs))
 
 
-def matmul(shape: tuple[int, int], *pairs) -> jax.Array:
-    """``sum(a @ b for a, b in pairs)`` on the tensor cores, fp32 accumulator (SMEM operands)."""
-    return products((shape, *pairs))[0]
+def _products_staged(specs) -> tuple[jax.Array, ...]:
+    """:func:`products` with every :class:`Registers` operand stored to a scoped SMEM tile first:
+    the interpreter's WGMMA reads SMEM refs only."""
+    values = [a.value for _, *pairs in specs for a, _ in pairs if isinstance(a, Registers)]
+
+    def scoped(*bufs):
+        for buf, value in zip(bufs, values):
+            buf[...] = value
+        plgpu.commit_smem()
+        refs = iter(bufs)
+        return products(*[(shape, *[(next(refs) if isinstance(a, Registers) else a, b)
+                                    for a, b in pairs]) for shape, *pairs in specs])
+
+    return pl.run_scoped(scoped, *(tiles(value.shape) for value in values))
+
+
+def matmul(shape: tuple[int, int], *pairs, interpret: bool = False) -> jax.Array:
+    """``sum(a @ b for a, b in pairs)`` on the tensor cores, fp32 accumulator (operands as in
+    :func:`products`)."""
+    return products((shape, *pairs), interpret=interpret)[0]
 
 
 def matmul_onto(init: jax.Array, *pairs, interpret: bool) -> jax.Array:

@@ -23,7 +23,9 @@ then through the scaling: ``dAkk = beta dL``, ``dxk = beta dX``, ``dv = beta dY`
 token-major) and
 ``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
 Every product runs on the tensor cores with each fp32 operand split into a bf16 high and low part
-(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time.
+(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. A left operand
+computed in the kernel (the merges' ``B``, ``D`` and ``D B D``'s inner product, the backward's
+``T^T dT``) stays in registers, where WGMMA reads it: only right operands go through SMEM.
 
 The blocked inverse (exact small diagonal blocks, then ``D - D B D`` merges) is the design of fla's
 ``solve_tril`` and of jax-linear-attention's Mosaic port, which also splits merge operands into bf16
@@ -62,6 +64,7 @@ from pallas_kernels._mgpu import (
     F32,
     KT,
     ROW,
+    Registers,
     column_tiles,
     iota,
     kernel,
@@ -156,16 +159,20 @@ def _product(x_parts, y_parts):
     return matmul(FULL, *_split_pairs(x_parts, y_parts))
 
 
-def _precise_product(x, y, split_s):
-    """``x @ y`` for fp32 ``[C, C]`` register arrays."""
-    x_hi_s, x_lo_s, y_hi_s, y_lo_s = split_s
-    store_split(x, (x_hi_s, x_lo_s))
-    store_split(y, (y_hi_s, y_lo_s))
+def _register_parts(x) -> list[Registers]:
+    """fp32 ``x``'s bf16 parts as left operands read from registers."""
+    return [Registers(part) for part in bf16_parts(x)]
+
+
+def _precise_product(x, y, split_s, interpret: bool):
+    """``x @ y`` for fp32 ``[C, C]`` register arrays: ``y``'s bf16 parts go to the two SMEM tiles
+    ``split_s``, ``x``'s stay in registers as the left operand."""
+    store_split(y, split_s)
     plgpu.commit_smem()
-    return _product((x_hi_s, x_lo_s), (y_hi_s, y_lo_s))
+    return matmul(FULL, *_split_pairs(_register_parts(x), split_s), interpret=interpret)
 
 
-def _chunk_inverse(l_s, s_s, d_s, split_s):
+def _chunk_inverse(l_s, s_s, d_s, split_s, interpret: bool):
     """``[C, C]`` fp32 ``T = (I + L)^-1`` from ``L`` in SMEM (module docstring)."""
     s = _diagonal_blocks_inverse(l_s, s_s)
     block = iota((CHUNK, BLOCK), 0) >> 4
@@ -178,7 +185,8 @@ def _chunk_inverse(l_s, s_s, d_s, split_s):
     def merge(level, d):  # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant
         below = jnp.where(level == 0, (rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2))
         b_part = jnp.where(below, lower_full, 0.0)
-        return d - _precise_product(d, _precise_product(b_part, d, split_s), split_s)
+        bd = _precise_product(b_part, d, split_s, interpret)
+        return d - _precise_product(d, bd, split_s, interpret)
 
     return lax.fori_loop(0, 2, merge, d)
 
@@ -260,19 +268,20 @@ def _staging_scratch(staged) -> tuple:
             plgpu.Barrier(num_arrivals=copies))
 
 
-def _inverse(akk_ref, beta_ref, at: _Chunk, scratch):
+def _inverse(akk_ref, beta_ref, at: _Chunk, scratch, interpret: bool):
     """The chunk's ``T`` (fp32 ``[C, C]`` registers) from ``Akk`` and ``beta`` in GMEM;
     ``scratch``: :func:`_inverse_scratch`."""
     l_s, s_s, d_s, *split_s = scratch
     l_s[...] = _scaled_tile(akk_ref, at, ALL, _beta_rows(beta_ref, at))[1]  # above the diagonal:
     plgpu.commit_smem()                                                     # never read
-    return _chunk_inverse(l_s, s_s, d_s, split_s)
+    return _chunk_inverse(l_s, s_s, d_s, split_s, interpret)
 
 
 def _inverse_scratch():
-    """SMEM of :func:`_inverse`: ``L``, the diagonal blocks, ``D`` and four bf16 split tiles."""
+    """SMEM of :func:`_inverse`: ``L``, the diagonal blocks, ``D`` and two bf16 split tiles (free
+    again once ``T`` is formed)."""
     return (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-            *(tiles(FULL) for _ in range(4)))
+            tiles(FULL), tiles(FULL))
 
 
 def _scaled_columns(t, beta_ref, at: _Chunk):
@@ -286,7 +295,7 @@ def _scaled_inverse_call(akk, beta, *, interpret):
 
     def body(akk_ref, beta_ref, out_ref, *scratch):
         at = _this_chunk()
-        tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch), beta_ref, at)
+        tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch, interpret), beta_ref, at)
         _view(out_ref, at, ALL)[...] = tb.astype(BF16)
 
     run = kernel(body, "kda_scaled_inverse", interpret,
@@ -313,10 +322,10 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
     def body(akk_ref, beta_ref, *refs):
         part_refs, refs = _split_refs(refs, [op.parts for op in staged])
         t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
-        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo, xk_s, v_s, bar = refs
+        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, xk_s, v_s, bar = refs
         at = _this_chunk()
         _stage(staged, part_refs, (xk_s, v_s), at, bar)
-        t = _inverse(akk_ref, beta_ref, at, (l_s, s_s, d_s, t_hi, t_lo, z_hi, z_lo))
+        t = _inverse(akk_ref, beta_ref, at, (l_s, s_s, d_s, t_hi, t_lo), interpret)
         if save_t:
             _view(t_ref, at, ALL)[...] = t
         store_split(_scaled_columns(t, beta_ref, at), (t_hi, t_lo))
@@ -341,15 +350,15 @@ def _strictly_lower():
     return iota(FULL, 0) > iota(FULL, 1)
 
 
-def _lower_grad(dt, t_parts, scratch):
-    """``dL = -tril(T^T dT T^T, -1)``, fp32 ``[C, C]``."""
-    (t_hi, t_lo), (a_hi, a_lo, b_hi, b_lo) = t_parts, scratch
-    store_split(dt, (a_hi, a_lo))
+def _lower_grad(dt, t_parts, split_s, interpret: bool):
+    """``dL = -tril(T^T dT T^T, -1)``, fp32 ``[C, C]``; ``t_parts``: ``T``'s bf16 parts in SMEM,
+    ``split_s``: two free bf16 tiles."""
+    t_tr = [t.T for t in t_parts]
+    store_split(dt, split_s)
     plgpu.commit_smem()
-    store_split(_product((t_hi.T, t_lo.T), (a_hi, a_lo)), (b_hi, b_lo))  # T^T dT
-    plgpu.commit_smem()
-    dm = _product((b_hi, b_lo), (t_hi.T, t_lo.T))                       # (T^T dT) T^T
-    return jnp.where(_strictly_lower(), -dm, 0.0)
+    tdt = _product(t_tr, split_s)                                            # T^T dT
+    dm = matmul(FULL, *_split_pairs(_register_parts(tdt), t_tr), interpret=interpret)
+    return jnp.where(_strictly_lower(), -dm, 0.0)                            # (T^T dT) T^T
 
 
 def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
@@ -370,7 +379,7 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
     def body(t_ref, akk_ref, beta_ref, *refs):
         part_refs, refs = _split_refs(refs, [op.parts for op in staged])
         du_ref, dakk_ref, dbeta_ref, dxk_ref, dv_ref, t_hi, t_lo, *scratch = refs
-        (a_hi, a_lo, b_hi, b_lo), (xk_s, v_s, dw_s), bar = scratch[:4], scratch[4:7], scratch[7]
+        (a_hi, a_lo), (xk_s, v_s, dw_s), bar = scratch[:2], scratch[2:5], scratch[5]
         at = _this_chunk()
         _stage(staged, part_refs, (xk_s, v_s, dw_s), at, bar)
         du_tiles = [load(_view(du_ref, at, cols)) for cols in column_tiles(dv)]
@@ -404,7 +413,7 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
                 dbeta = dbeta + jnp.sum(dz * z, axis=1)
                 _view(out_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(out_ref.dtype)
         beta_cols = per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL)
-        dl = _lower_grad(dt * beta_cols, t_parts, (a_hi, a_lo, b_hi, b_lo))
+        dl = _lower_grad(dt * beta_cols, t_parts, (a_hi, a_lo), interpret)
         akk = load(_view(akk_ref, at, ALL))
         _view(dakk_ref, at, ALL)[...] = dl * beta_rows
         # where, not a product alone: Akk's junk on and above the diagonal may be anything
@@ -412,7 +421,7 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
         dbeta_ref.at[at.b, at.h, at.tok][...] = dbeta
 
     dtype = lambda op: BF16 if op.parts == 1 else F32  # noqa: E731
-    scratch = (*(tiles(FULL) for _ in range(6)), *_staging_scratch(staged))
+    scratch = (*(tiles(FULL) for _ in range(4)), *_staging_scratch(staged))
     sds = jax.ShapeDtypeStruct
     out_type = (sds(akk.shape, F32), sds(beta.shape, F32),
                 sds((nb, h, tp, dk), dtype(xk_op)), sds((nb, tp, h, dv), dtype(v_op)))
