@@ -24,7 +24,7 @@ token-major) and
 ``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
 Every product runs on the tensor cores with each fp32 operand split into a bf16 high and low part
 (two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. A left operand
-computed in the kernel (the merges' ``B``, ``D`` and ``D B D``'s inner product, the backward's
+computed in the kernel (the merges' ``B`` in ``B D`` and ``D`` in ``D (B D)``, the backward's
 ``T^T dT``) stays in registers, where WGMMA reads it: only right operands go through SMEM.
 
 The blocked inverse (exact small diagonal blocks, then ``D - D B D`` merges) is the design of fla's
@@ -356,9 +356,9 @@ def _lower_grad(dt, t_parts, split_s, interpret: bool):
     t_tr = [t.T for t in t_parts]
     store_split(dt, split_s)
     plgpu.commit_smem()
-    tdt = _product(t_tr, split_s)                                            # T^T dT
-    dm = matmul(FULL, *_split_pairs(_register_parts(tdt), t_tr), interpret=interpret)
-    return jnp.where(_strictly_lower(), -dm, 0.0)                            # (T^T dT) T^T
+    tdt = _product(t_tr, split_s)                                                   # T^T dT
+    dm = matmul(FULL, *_split_pairs(_register_parts(tdt), t_tr), interpret=interpret)  # tdt T^T
+    return jnp.where(_strictly_lower(), -dm, 0.0)
 
 
 def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
