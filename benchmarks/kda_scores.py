@@ -25,13 +25,12 @@ the size of each lowered module (the serialized Mosaic GPU kernel dominates it).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import sys
 
+import _ablations as ablations
 import jax
 import jax.numpy as jnp
-from _timing import emit, timed
+from _ablations import Kernels
 
 from pallas_kernels import kda_scores
 from pallas_kernels._mgpu import CHUNK, KT
@@ -64,21 +63,10 @@ ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
 }
 
 
-@contextlib.contextmanager
-def _swapped(attrs: dict):
-    """The kernel module with ``attrs`` replaced (while a variant is traced and compiled)."""
-    saved = {name: getattr(kda_scores, name) for name in attrs}
-    for name, value in attrs.items():
-        setattr(kda_scores, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(kda_scores, name, value)
+def _kernels(shape) -> Kernels:
+    """The forward and backward kernels, freshly jitted, with their inputs at ``shape``."""
+    (q, k, g), ds = _inputs(*shape)
 
-
-def _kernels():
-    """Fresh jitted ``(fwd, bwd)`` launchers (a new function object each, so no trace is reused)."""
     def fwd(q, k, g):
         return kda_scores._fwd_call(q, k, g, kda_scores.bounded_chunks(g), (), scale=SCALE,
                                     interpret=False)
@@ -87,7 +75,7 @@ def _kernels():
         return kda_scores._bwd_call(q, k, g, daqk, dakk, (dqg, dkg, dxk), dgamma,
                                     kda_scores.bounded_chunks(g), (), scale=SCALE, interpret=False)
 
-    return jax.jit(fwd), jax.jit(bwd)
+    return {"fwd": (jax.jit(fwd), (q, k, g)), "bwd": (jax.jit(bwd), (q, k, g, *ds))}
 
 
 def _inputs(b, t, h, d):
@@ -105,47 +93,5 @@ def _inputs(b, t, h, d):
     return (q, k, g_cum), cts
 
 
-def run_variant(name: str, shape, lower_only: bool) -> list[dict]:
-    attrs = ABLATIONS[name]
-    (q, k, g), ds = _inputs(*shape)
-    fwd, bwd = _kernels()
-    out = []
-    with _swapped(attrs):
-        for kernel, fn, args in (("fwd", fwd, (q, k, g)), ("bwd", bwd, (q, k, g, *ds))):
-            rec = {"variant": name, "kernel": kernel, "shape": list(shape)}
-            try:
-                if lower_only:
-                    lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
-                    rec["module_chars"] = len(lowered.as_text())  # a rough measure of code size
-                else:
-                    rec["ms"] = round(timed(fn, args, iters=10, repeats=5), 4)
-            except Exception as e:  # a variant that does not lower or run: say why, go on
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
-            out.append(rec)
-    return out
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="8,4096,16,128",
-                   help="B,T,H,D (T a multiple of 64, D 64 or 128)")
-    p.add_argument("--variants", default=",".join(ABLATIONS))
-    p.add_argument("--lower-only", action="store_true",
-                   help="check lowering for sm_90 (no GPU needed)")
-    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    a = p.parse_args(argv)
-    shape = tuple(int(x) for x in a.shape.split(","))
-    unknown = set(a.variants.split(",")) - set(ABLATIONS)
-    if unknown:
-        p.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(ABLATIONS)}")
-    failed = False
-    with open(a.out, "a") if a.out else contextlib.nullcontext() as out:
-        for name in a.variants.split(","):
-            for rec in run_variant(name, shape, a.lower_only):
-                emit(rec, out)
-                failed |= "error" in rec
-    return 1 if failed and a.lower_only else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ablations.main(__doc__.splitlines()[0], kda_scores, ABLATIONS, _kernels))

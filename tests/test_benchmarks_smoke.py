@@ -143,6 +143,17 @@ def test_kda_scores_variants_lower_for_sm90():
         assert len({size for (_, k), size in sizes.items() if k == kernel}) == len(variants)
 
 
+def test_kda_inverse_variants_lower_for_sm90():
+    """The inverse-kernel benchmark's kernels lower for an sm_90 target, and taking out the
+    elimination changes the two kernels that invert (the backward does not invert)."""
+    rows = _run(["benchmarks/kda_inverse.py", "--lower-only", "--shape", "1,128,2,64",
+                 "--variants", "kernels,no_pivots"])
+    sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}
+    assert {k for _, k in sizes} == {"scaled_inverse", "wy_fwd", "wy_bwd"} and len(sizes) == 6
+    for kernel in ("scaled_inverse", "wy_fwd"):
+        assert sizes["no_pivots", kernel] < sizes["kernels", kernel]
+
+
 def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     """Two programs whose fusions have the same instruction names (a step compiled as its
     gradient and update programs): each kernel's source comes from its own module's text."""
