@@ -16,6 +16,8 @@ from types import ModuleType
 
 from _timing import emit, timed
 
+from pallas_kernels._mgpu import CHUNK, HEAD_DIMS
+
 # kernel name -> (a freshly jitted function, its arguments): fresh, so no trace is reused
 Kernels = dict[str, tuple[Callable, tuple]]
 
@@ -52,6 +54,18 @@ def run_variant(module: ModuleType, variant: str, attrs: dict, kernels: Kernels,
     return out
 
 
+def _shape(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
+    """``--shape`` as ``(B, T, H, D)``, or the parser's error naming what was expected."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1 or shape[1] % CHUNK or shape[3] not in HEAD_DIMS:
+        p.error(f"--shape: expected B,T,H,D with T a multiple of {CHUNK} and D in {HEAD_DIMS}, "
+                f"got {text!r}")
+    return shape
+
+
 def main(description: str, module: ModuleType, ablations: dict[str, dict],
          make_kernels: Callable[[tuple[int, ...]], Kernels], argv=None) -> int:
     """The command line of a per-kernel benchmark: ``--shape B,T,H,D``, ``--variants``,
@@ -64,7 +78,7 @@ def main(description: str, module: ModuleType, ablations: dict[str, dict],
                    help="check lowering for sm_90 (no GPU needed)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = p.parse_args(argv)
-    shape = tuple(int(x) for x in a.shape.split(","))
+    shape = _shape(p, a.shape)
     unknown = set(a.variants.split(",")) - set(ablations)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(ablations)}")

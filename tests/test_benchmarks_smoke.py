@@ -154,6 +154,14 @@ def test_kda_inverse_variants_lower_for_sm90():
         assert sizes["no_pivots", kernel] < sizes["kernels", kernel]
 
 
+def test_kernel_benchmarks_name_a_bad_shape():
+    """A shape the kernels cannot take is refused by name before anything is traced."""
+    out = subprocess.run([sys.executable, "benchmarks/kda_inverse.py", "--lower-only",
+                          "--shape", "1,100,2,64"], cwd=ROOT, capture_output=True, text=True,
+                         env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.returncode == 2 and "--shape" in out.stderr and "1,100,2,64" in out.stderr
+
+
 def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     """Two programs whose fusions have the same instruction names (a step compiled as its
     gradient and update programs): each kernel's source comes from its own module's text."""
