@@ -29,7 +29,6 @@ import sys
 import _ablations as ablations
 import jax
 import jax.numpy as jnp
-from _ablations import Kernels
 
 from pallas_kernels import kda_solve
 from pallas_kernels._mgpu import CHUNK, iota
@@ -69,7 +68,7 @@ def _inputs(b, t, h, d):
     return akk, beta, xk, v, t_saved, dw, du
 
 
-def _kernels(shape) -> Kernels:
+def _kernels(shape) -> ablations.Kernels:
     """The three kernels, freshly jitted, with their inputs at ``shape``."""
     akk, beta, xk, v, t_saved, dw, du = _inputs(*shape)
 

@@ -30,7 +30,6 @@ import sys
 import _ablations as ablations
 import jax
 import jax.numpy as jnp
-from _ablations import Kernels
 
 from pallas_kernels import kda_scores
 from pallas_kernels._mgpu import CHUNK, KT
@@ -63,7 +62,7 @@ ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
 }
 
 
-def _kernels(shape) -> Kernels:
+def _kernels(shape) -> ablations.Kernels:
     """The forward and backward kernels, freshly jitted, with their inputs at ``shape``."""
     (q, k, g), ds = _inputs(*shape)
 
