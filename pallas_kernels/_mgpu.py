@@ -99,19 +99,20 @@ def products(*specs, interpret: bool = False) -> tuple[jax.Array, ...]:
 
 
 def _products_staged(specs) -> tuple[jax.Array, ...]:
-    """:func:`products` with every :class:`Registers` operand stored to a scoped SMEM tile first:
+    """:func:`products` with each :class:`Registers` operand stored once to a scoped SMEM tile:
     the interpreter's WGMMA reads SMEM refs only."""
-    values = [a.value for _, *pairs in specs for a, _ in pairs if isinstance(a, Registers)]
+    operands = list({id(a): a for _, *pairs in specs for a, _ in pairs
+                     if isinstance(a, Registers)}.values())
 
     def scoped(*bufs):
-        for buf, value in zip(bufs, values):
-            buf[...] = value
+        for operand, buf in zip(operands, bufs):
+            buf[...] = operand.value
         plgpu.commit_smem()
-        refs = iter(bufs)
-        return products(*[(shape, *[(next(refs) if isinstance(a, Registers) else a, b)
-                                    for a, b in pairs]) for shape, *pairs in specs])
+        ref = {id(operand): buf for operand, buf in zip(operands, bufs)}
+        return products(*[(shape, *[(ref.get(id(a), a), b) for a, b in pairs])
+                          for shape, *pairs in specs])
 
-    return pl.run_scoped(scoped, *(tiles(value.shape) for value in values))
+    return pl.run_scoped(scoped, *(tiles(operand.value.shape) for operand in operands))
 
 
 def matmul(shape: tuple[int, int], *pairs, interpret: bool = False) -> jax.Array:

@@ -23,9 +23,11 @@ then through the scaling: ``dAkk = beta dL``, ``dxk = beta dX``, ``dv = beta dY`
 token-major) and
 ``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
 Every product runs on the tensor cores with each fp32 operand split into a bf16 high and low part
-(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. A left operand
-computed in the kernel (the merges' ``B`` in ``B D`` and ``D`` in ``D (B D)``, the backward's
-``T^T dT``) stays in registers, where WGMMA reads it: only right operands go through SMEM.
+(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. The left
+operands of the merges (``B`` in ``B D``, ``D`` in ``D (B D)``) and of the backward's
+``(T^T dT) T^T`` stay in registers, where WGMMA reads them; ``T diag(beta)``, the left operand of
+the forward's ``W`` and ``U`` products, goes through SMEM like every right operand (not measured
+from registers: those products hold four accumulators at once).
 
 The blocked inverse (exact small diagonal blocks, then ``D - D B D`` merges) is the design of fla's
 ``solve_tril`` and of jax-linear-attention's Mosaic port, which also splits merge operands into bf16

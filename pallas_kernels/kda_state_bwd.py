@@ -134,6 +134,6 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
     """
     du, neg_dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
-                                             chunk_size=chunk_size, block_v=block_v,
-                                             interpret=interpret)
+                                                 chunk_size=chunk_size, block_v=block_v,
+                                                 interpret=interpret)
     return (*state_grads(states, dstates, vt, neg_dvt, do, interpret=interpret), du, dh0)

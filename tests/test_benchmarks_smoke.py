@@ -21,11 +21,15 @@ TINY_MODEL = ["--set", "model.num_layers=2", "--set", "model.mla_every=2",
               "--set", "model.kda.chunk_size=16"]
 
 
-def _run(args: list[str], timeout: int = 600) -> list[dict]:
+def _call(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     # One device: the script sets its own device count where it needs more.
     env = subprocess_env(PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _run(args: list[str], timeout: int = 600) -> list[dict]:
+    out = _call(args, timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, out.stdout[-2000:]
@@ -156,9 +160,7 @@ def test_kda_inverse_variants_lower_for_sm90():
 
 def test_kernel_benchmarks_name_a_bad_shape():
     """A shape the kernels cannot take is refused by name before anything is traced."""
-    out = subprocess.run([sys.executable, "benchmarks/kda_inverse.py", "--lower-only",
-                          "--shape", "1,100,2,64"], cwd=ROOT, capture_output=True, text=True,
-                         env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=120)
+    out = _call(["benchmarks/kda_inverse.py", "--lower-only", "--shape", "1,100,2,64"], 120)
     assert out.returncode == 2 and "--shape" in out.stderr and "1,100,2,64" in out.stderr
 
 
