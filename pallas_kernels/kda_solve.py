@@ -41,7 +41,9 @@ loops: each unrolled copy was thousands of register loads and stores, and rollin
 both modules and their compile time at the same speed (docs/benchmarks.md).
 
 For a forward without backward, :func:`scaled_inverse` writes ``T diag(beta)`` alone (bf16) for a
-state pass that applies it (:mod:`pallas_kernels.kda_state_fwd`).
+state pass that applies it (:mod:`pallas_kernels.kda_state_fwd`), through SMEM and TMA: stored
+from WGMMA-layout registers, each warp's 4-byte pieces half-filled the 32-byte sectors they
+touched.
 
 Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32) and
 :func:`scaled_inverse_reference`.
@@ -181,16 +183,17 @@ def _chunk_inverse(l_s, s_s, d_s, split_s, interpret: bool):
     for b in range(CHUNK // BLOCK):   # D1 = diag(inverses of the 16x16 blocks)
         d_s.at[:, pl.ds(BLOCK * b, BLOCK)][...] = jnp.where(block == b, s, 0.0)
     plgpu.commit_smem()
-    d, lower_full = load(d_s), load(l_s)
-    rb, cb = iota(FULL, 0) >> 4, iota(FULL, 1) >> 4
 
-    def merge(level, d):  # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant
+    # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant. L and the block
+    # indices are read and formed inside each merge, not held across both: with them live beside
+    # the products' operands and accumulators, the kernel took ~200 registers a thread.
+    def merge(level, d):
+        rb, cb = iota(FULL, 0) >> 4, iota(FULL, 1) >> 4
         below = jnp.where(level == 0, (rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2))
-        b_part = jnp.where(below, lower_full, 0.0)
-        bd = _precise_product(b_part, d, split_s, interpret)
+        bd = _precise_product(jnp.where(below, load(l_s), 0.0), d, split_s, interpret)
         return d - _precise_product(d, bd, split_s, interpret)
 
-    return lax.fori_loop(0, 2, merge, d)
+    return lax.fori_loop(0, 2, merge, load(d_s))
 
 
 class _Chunk(NamedTuple):
@@ -298,7 +301,11 @@ def _scaled_inverse_call(akk, beta, *, interpret):
     def body(akk_ref, beta_ref, out_ref, *scratch):
         at = _this_chunk()
         tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch, interpret), beta_ref, at)
-        _view(out_ref, at, ALL)[...] = tb.astype(BF16)
+        out_s = scratch[3]  # a split tile, free once T is formed: the result leaves by TMA
+        out_s[...] = tb.astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s, _view(out_ref, at, ALL))
+        plgpu.wait_smem_to_gmem(0)
 
     run = kernel(body, "kda_scaled_inverse", interpret,
                  out_type=jax.ShapeDtypeStruct(akk.shape, BF16),
