@@ -49,7 +49,8 @@ ABLATIONS = {  # variant -> {kernel-module attribute: stand-in}
     "kernels": {},
     "no_akk_load": {"_scaled_tile": _beta_only_tile},
     "no_pivots": {"_diagonal_blocks_inverse": _identity_blocks},
-    "no_merges": {"_precise_product": lambda x, y, split_s, interpret: 0.0 * x},
+    "no_merges": {"_precise_product":
+                  lambda x, y, split_s, interpret, onto=None: 0.0 * y if onto is None else onto},
     "no_lower_grad": {"_lower_grad": lambda dt, t_parts, split_s, interpret: 0.0 * dt},
 }
 

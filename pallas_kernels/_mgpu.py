@@ -127,11 +127,11 @@ def matmul_onto(init: jax.Array, *pairs, interpret: bool) -> jax.Array:
     product would hold both at once (what a 128-wide state tile cannot afford). The interpreter
     has no initialised accumulators, so there the product is added after."""
     if interpret:
-        return init + matmul(init.shape, *pairs)
+        return init + matmul(init.shape, *pairs, interpret=True)
 
     def accumulate(acc):
         for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
+            plgpu.wgmma(acc, a.value if isinstance(a, Registers) else a, b)
 
     return pl.run_state(accumulate)(plgpu.ACC.init(init))
 

@@ -23,11 +23,12 @@ then through the scaling: ``dAkk = beta dL``, ``dxk = beta dX``, ``dv = beta dY`
 token-major) and
 ``dbeta_r = sum_j dL[r, j] Akk[r, j] + sum_c dX[r, c] xk[r, c] + sum_c dY[r, c] v[r, c]``.
 Every product runs on the tensor cores with each fp32 operand split into a bf16 high and low part
-(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. The left
-operands of the merges (``B`` in ``B D``, ``D`` in ``D (B D)``) and of the backward's
-``(T^T dT) T^T`` stay in registers, where WGMMA reads them; ``T diag(beta)``, the left operand of
-the forward's ``W`` and ``U`` products, goes through SMEM like every right operand (not measured
-from registers: those products hold four accumulators at once).
+(two or three WGMMAs per product, ~16 significant bits), 64 x 64 x 64 at a time. The merges take
+``B D`` as ``L D`` kept where ``B`` is nonzero (``D`` is block-diagonal), with ``L``'s parts read
+from SMEM, and accumulate ``-D (B D)`` onto ``D``, whose parts are the left operand in registers;
+the backward's ``(T^T dT) T^T`` also takes its left operand from registers. ``T diag(beta)``, the
+left operand of the forward's ``W`` and ``U`` products, goes through SMEM like every right operand
+(not measured from registers: those products hold four accumulators at once).
 
 The blocked inverse (exact small diagonal blocks, then ``D - D B D`` merges) is the design of fla's
 ``solve_tril`` and of jax-linear-attention's Mosaic port, which also splits merge operands into bf16
@@ -74,6 +75,7 @@ from pallas_kernels._mgpu import (
     kernel,
     load,
     matmul,
+    matmul_onto,
     per_col,
     per_row,
     products,
@@ -168,30 +170,37 @@ def _register_parts(x) -> list[Registers]:
     return [Registers(part) for part in bf16_parts(x)]
 
 
-def _precise_product(x, y, split_s, interpret: bool):
-    """``x @ y`` for fp32 ``[C, C]`` register arrays: ``y``'s bf16 parts go to the two SMEM tiles
-    ``split_s``, ``x``'s stay in registers as the left operand."""
+def _precise_product(x_parts, y, split_s, interpret: bool, onto=None):
+    """``x @ y`` (or ``onto + x @ y``), fp32 ``[C, C]``: ``y`` (fp32 registers) goes to the two
+    SMEM tiles ``split_s`` as its bf16 parts; ``x_parts``: ``x``'s bf16 parts, SMEM refs or
+    :class:`Registers`. With ``onto``, its registers become the accumulator's."""
     store_split(y, split_s)
     plgpu.commit_smem()
-    return matmul(FULL, *_split_pairs(_register_parts(x), split_s), interpret=interpret)
+    pairs = _split_pairs(x_parts, split_s)
+    if onto is None:
+        return matmul(FULL, *pairs, interpret=interpret)
+    return matmul_onto(onto, *pairs, interpret=interpret)
 
 
-def _chunk_inverse(l_s, s_s, d_s, split_s, interpret: bool):
-    """``[C, C]`` fp32 ``T = (I + L)^-1`` from ``L`` in SMEM (module docstring)."""
-    s = _diagonal_blocks_inverse(l_s, s_s)
+def _chunk_inverse(l_parts, s_s, d_s, split_s, interpret: bool):
+    """``[C, C]`` fp32 ``T = (I + L)^-1`` (module docstring) from ``L`` in SMEM: fp32 in ``d_s``
+    (``D`` takes its place) and as bf16 parts in ``l_parts``."""
+    s = _diagonal_blocks_inverse(d_s, s_s)
     block = iota((CHUNK, BLOCK), 0) >> 4
     for b in range(CHUNK // BLOCK):   # D1 = diag(inverses of the 16x16 blocks)
         d_s.at[:, pl.ds(BLOCK * b, BLOCK)][...] = jnp.where(block == b, s, 0.0)
     plgpu.commit_smem()
 
-    # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant. L and the block
-    # indices are read and formed inside each merge, not held across both: with them live beside
-    # the products' operands and accumulators, the kernel took ~200 registers a thread.
+    # 16 -> 32: blocks (1, 0) and (3, 2); 32 -> 64: the lower-left quadrant. With D block-diagonal,
+    # B D is L D where B is nonzero, so L's parts enter the tensor cores from SMEM as they are,
+    # and D (B D) accumulates onto D: no copy of L, B or a second accumulator is held in
+    # registers (178 registers a thread when they were, 128 without: four CTAs an SM where two fit).
     def merge(level, d):
         rb, cb = iota(FULL, 0) >> 4, iota(FULL, 1) >> 4
         below = jnp.where(level == 0, (rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2))
-        bd = _precise_product(jnp.where(below, load(l_s), 0.0), d, split_s, interpret)
-        return d - _precise_product(d, bd, split_s, interpret)
+        parts = [l_parts.at[i] for i in range(l_parts.shape[0])]
+        bd = jnp.where(below, _precise_product(parts, d, split_s, interpret), 0.0)
+        return _precise_product(_register_parts(-d), bd, split_s, interpret, onto=d)
 
     return lax.fori_loop(0, 2, merge, load(d_s))
 
@@ -276,16 +285,19 @@ def _staging_scratch(staged) -> tuple:
 def _inverse(akk_ref, beta_ref, at: _Chunk, scratch, interpret: bool):
     """The chunk's ``T`` (fp32 ``[C, C]`` registers) from ``Akk`` and ``beta`` in GMEM;
     ``scratch``: :func:`_inverse_scratch`."""
-    l_s, s_s, d_s, *split_s = scratch
-    l_s[...] = _scaled_tile(akk_ref, at, ALL, _beta_rows(beta_ref, at))[1]  # above the diagonal:
-    plgpu.commit_smem()                                                     # never read
-    return _chunk_inverse(l_s, s_s, d_s, split_s, interpret)
+    l_parts, s_s, d_s, *split_s = scratch
+    lower = jnp.where(_strictly_lower(),  # Akk on and above the diagonal may be anything
+                      _scaled_tile(akk_ref, at, ALL, _beta_rows(beta_ref, at))[1], 0.0)
+    d_s[...] = lower
+    store_split(lower, [l_parts.at[i] for i in range(l_parts.shape[0])])
+    plgpu.commit_smem()
+    return _chunk_inverse(l_parts, s_s, d_s, split_s, interpret)
 
 
 def _inverse_scratch():
-    """SMEM of :func:`_inverse`: ``L``, the diagonal blocks, ``D`` and two bf16 split tiles (free
-    again once ``T`` is formed)."""
-    return (plgpu.SMEM(FULL, F32), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
+    """SMEM of :func:`_inverse`: ``L``'s two bf16 parts, the diagonal blocks, ``L`` then ``D`` in
+    fp32, and two bf16 split tiles (free again once ``T`` is formed)."""
+    return (tiles((2, CHUNK, CHUNK)), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
             tiles(FULL), tiles(FULL))
 
 
@@ -331,10 +343,10 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
     def body(akk_ref, beta_ref, *refs):
         part_refs, refs = _split_refs(refs, [op.parts for op in staged])
         t_ref, refs = (refs[0], refs[1:]) if save_t else (None, refs)
-        w_ref, u_ref, l_s, s_s, d_s, t_hi, t_lo, xk_s, v_s, bar = refs
+        w_ref, u_ref, l_parts, s_s, d_s, t_hi, t_lo, xk_s, v_s, bar = refs
         at = _this_chunk()
         _stage(staged, part_refs, (xk_s, v_s), at, bar)
-        t = _inverse(akk_ref, beta_ref, at, (l_s, s_s, d_s, t_hi, t_lo), interpret)
+        t = _inverse(akk_ref, beta_ref, at, (l_parts, s_s, d_s, t_hi, t_lo), interpret)
         if save_t:
             _view(t_ref, at, ALL)[...] = t
         store_split(_scaled_columns(t, beta_ref, at), (t_hi, t_lo))
