@@ -1,6 +1,7 @@
 """MLA's causal attention (k3jax/ops/attention.py) against the formula in fp32, values and
-gradients, with packed segments: XLA's path on any backend; cuDNN's fused kernel on an sm_90 GPU
-(skipped elsewhere; run ``JAX_PLATFORMS=cuda python -m pytest -q tests/test_attention.py``).
+gradients, with packed segments: XLA's path on any backend; cuDNN's fused kernel on an sm_90 GPU,
+through its packed layout and through the mask it falls back to (skipped elsewhere; run
+``JAX_PLATFORMS=cuda python -m pytest -q tests/test_attention.py``).
 """
 
 from __future__ import annotations
@@ -9,54 +10,101 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from k3jax.devices import hopper_gpus
-from k3jax.layers.mla import attention_mask
-from k3jax.ops.attention import attention_reference, causal_attention
+from k3jax.ops.attention import (
+    PACKED_SEGMENTS,
+    attention_mask,
+    attention_reference,
+    causal_attention,
+    segment_runs,
+)
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 
+T = 64
 
-@functools.partial(jax.jit, static_argnames=("dtype", "b", "t", "h", "dk", "dv"))
-def _inputs(dtype, b=2, t=64, h=3, dk=48, dv=32):
+
+def _runs(lengths) -> np.ndarray:
+    """A row of segment ids: ``len(lengths)`` documents of those lengths, ids 0, 1, ..."""
+    return np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+
+
+# row 0: one document; row 1: three packed documents (the mask must stop at their borders)
+THREE_DOCS = np.stack([_runs([T]), _runs([20, 30, T - 50])])
+# more documents than cuDNN's packed path takes: the masked kernel instead
+MANY_DOCS = np.stack([_runs([T]), _runs([3] * 20 + [T - 60])])
+# one id in two places (ids not in runs): the mask's meaning (both places attend to each other)
+SPLIT_DOC = np.stack([_runs([T]), np.repeat(np.array([0, 1, 0], np.int32), [20, 20, T - 40])])
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "dk", "dv"))
+def _inputs(dtype, dk=48, dv=32):
+    b, h = 2, 3
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k = (jax.random.normal(kk, (b, t, h, dk), jnp.float32).astype(dtype) for kk in keys[:2])
-    v = jax.random.normal(keys[2], (b, t, h, dv), jnp.float32).astype(dtype)
-    # row 0: one document; row 1: three packed documents (the mask must stop at their borders)
-    seg = jnp.stack([jnp.zeros(t, jnp.int32),
-                     jnp.repeat(jnp.arange(3, dtype=jnp.int32), jnp.array([20, 30, t - 50]),
-                                total_repeat_length=t)])
-    cot = jax.random.normal(keys[3], (b, t, h, dv), jnp.float32)
-    return q, k, v, attention_mask(seg, b, t), cot
+    q, k = (jax.random.normal(kk, (b, T, h, dk), jnp.float32).astype(dtype) for kk in keys[:2])
+    v = jax.random.normal(keys[2], (b, T, h, dv), jnp.float32).astype(dtype)
+    cot = jax.random.normal(keys[3], (b, T, h, dv), jnp.float32)
+    return q, k, v, cot
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one compile each, not one per op
-def _values_and_grads(fn, q, k, v, mask, cot):
-    out, vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, mask, 0.125).astype(jnp.float32), q, k, v)
+def _values_and_grads(fn, q, k, v, seg, cot):
+    out, vjp = jax.vjp(lambda a, b_, c: fn(a, b_, c, seg, 0.125).astype(jnp.float32), q, k, v)
     return out, vjp(cot)
 
 
-def _check(dtype, out_tol, grad_tol):
-    q, k, v, mask, cot = _inputs(dtype)
+def _reference(q, k, v, seg, scale):
+    return attention_reference(q, k, v, attention_mask(seg, q.shape[0], q.shape[1]), scale)
+
+
+def _check(dtype, seg, out_tol, grad_tol):
+    q, k, v, cot = _inputs(dtype)
+    seg = None if seg is None else jnp.asarray(seg)
     f32 = jax.jit(lambda *x: [a.astype(jnp.float32) for a in x])(q, k, v)
-    ref, ref_grads = _values_and_grads(attention_reference, *f32, mask, cot)
-    out, grads = _values_and_grads(causal_attention, q, k, v, mask, cot)
+    ref, ref_grads = _values_and_grads(_reference, *f32, seg, cot)
+    out, grads = _values_and_grads(causal_attention, q, k, v, seg, cot)
     assert rel_rms(ref, out) <= out_tol, rel_rms(ref, out)
     for name, r, g in zip("qkv", ref_grads, grads):
         assert g.dtype == dtype
         assert rel_rms(r, g) <= grad_tol, (name, rel_rms(r, g))
 
 
-def test_xla_path_matches_the_formula_fp32():
-    _check(jnp.float32, FP32_TOL, FP32_TOL)
+@pytest.mark.parametrize("seg", [THREE_DOCS, SPLIT_DOC, None], ids=["packed", "split", "one"])
+def test_xla_path_matches_the_formula_fp32(seg):
+    _check(jnp.float32, seg, FP32_TOL, FP32_TOL)
 
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
-def test_cudnn_path_matches_the_formula_bf16():
-    _check(jnp.bfloat16, BF16_OUT_TOL, BF16_GRAD_QKV_TOL)
+@pytest.mark.parametrize("seg", [THREE_DOCS, MANY_DOCS, SPLIT_DOC, None],
+                         ids=["packed", "many", "split", "one"])
+def test_cudnn_path_matches_the_formula_bf16(seg):
+    _check(jnp.bfloat16, seg, BF16_OUT_TOL, BF16_GRAD_QKV_TOL)
+
+
+def _runs_by_loop(row):
+    """(offsets, lengths) of one row's runs of equal ids, a token at a time."""
+    offsets = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+    return offsets, [e - s for s, e in zip(offsets, offsets[1:] + [len(row)])]
+
+
+@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, False)],
+                         ids=["packed", "many", "split"])
+def test_segment_runs_are_the_rows_documents(seg, fits):
+    offsets, lengths, ok = jax.device_get(segment_runs(jnp.asarray(seg), PACKED_SEGMENTS))
+    assert bool(ok) == fits
+    assert offsets.shape == (2, PACKED_SEGMENTS + 1) and lengths.shape == (2, PACKED_SEGMENTS)
+    for row, offs, lens in zip(seg, offsets, lengths):
+        want_offs, want_lens = _runs_by_loop(list(row))
+        if len(want_offs) > PACKED_SEGMENTS:
+            continue  # does not fit: ``ok`` says so, the layout is not used
+        n = len(want_offs)
+        assert list(offs[:n]) == want_offs and list(lens[:n]) == want_lens
+        assert (offs[n:] == -1).all() and (lens[n:] == -1).all()
 
 
 def test_value_head_wider_than_query_is_refused():
-    q, k, v, mask, _ = _inputs(jnp.float32, dk=16, dv=32)
+    q, k, v, _ = _inputs(jnp.float32, dk=16, dv=32)
     with pytest.raises(ValueError, match="value head dim 32"):
-        causal_attention(q, k, v, mask, 0.25)
+        causal_attention(q, k, v, None, 0.25)

@@ -1,7 +1,7 @@
 """Multi-head latent attention (math §4): expanded training path and absorbed latent-cache decode.
 
 Training runs through :func:`k3jax.ops.attention.causal_attention` (cuDNN's fused causal kernel on
-Hopper GPUs) with a causal, segment-aware mask. Decode
+Hopper GPUs), causal within each packed document. Decode
 attends over the cached normalised latent ``c`` and the shared ``k_rope`` (kv_lora + rope = 576
 values per token in K3) with ``W_kvb``'s key part folded into the query.
 """
@@ -19,7 +19,7 @@ from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
 from k3jax.layers.rope import apply_rope, segment_positions
-from k3jax.ops.attention import causal_attention
+from k3jax.ops.attention import attention_mask, causal_attention, masked_attention
 
 
 class MLACache(NamedTuple):
@@ -28,15 +28,6 @@ class MLACache(NamedTuple):
     c: jax.Array  # [B, S, kv_lora] normalised latent
     k_rope: jax.Array  # [B, S, rope]
     length: jax.Array  # [] int32, tokens written so far
-
-
-def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
-    """Boolean ``[B, 1, T, T]``: causal, and only within the same segment."""
-    causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
-    if segment_ids is None:
-        return jnp.broadcast_to(causal, (batch, 1, length, length))
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal & same
 
 
 def _write(buffer: jax.Array, new: jax.Array, at) -> jax.Array:
@@ -119,30 +110,25 @@ class MLALayer(nn.Module):
         pos = segment_positions(segment_ids, b, t)
         q_nope, q_rope = self._query(x, pos)
         c, k_rope = self._latent(x, pos)
-        o = self._expanded_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t),
-                                  causal=True)
-        return self._output(x, o)
+        q, k, v = self._expanded(q_nope, q_rope, c, k_rope)
+        return self._output(x, causal_attention(q, k, v, segment_ids, self.scale))
 
-    def _expanded_attend(self, q_nope, q_rope, c, k_rope, mask, causal: bool = False):
-        """Keys and values expanded from the latent through ``W_kvb``, then attention.
-
-        ``q_* [B, Tq, H, .]``, ``c [B, S, L]``, ``k_rope [B, S, R]``, ``mask [B, 1, Tq, S]``.
-        ``causal``: queries and keys are the same positions and ``mask`` includes the causal mask
-        (the training path: a fused causal kernel where there is one, k3jax/ops/attention.py).
-        Returns ``o [B, Tq, H, v]`` in the compute dtype.
-        """
+    def _expanded(self, q_nope, q_rope, c, k_rope):
+        """Queries, and keys and values expanded from the latent through ``W_kvb``:
+        ``q_* [B, Tq, H, .]``, ``c [B, S, L]``, ``k_rope [B, S, R]`` ->
+        ``(q, k [., H, nope + rope], v [B, S, H, v])`` in the compute dtype."""
         m = self.cfg.mla
         kv = jnp.einsum("btl,lhe->bthe", c, self._cast(self.w_kvb))
         k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
         q = jnp.concatenate([q_nope, q_rope], -1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3]
                                                       + k_rope.shape[-1:])], -1)
-        if causal:
-            return causal_attention(q, k, v, mask, self.scale)
-        pad = m.qk_head_dim - m.v_head_dim  # XLA's attention wants equal head dims
-        v_in = jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad > 0 else v
-        return jax.nn.dot_product_attention(q, k, v_in, mask=mask,
-                                            scale=self.scale)[..., :m.v_head_dim]
+        return q, k, v
+
+    def _expanded_attend(self, q_nope, q_rope, c, k_rope, mask):
+        """Attention over the expanded keys and values under ``mask [B, 1, Tq, S]`` (several new
+        tokens over a cache): ``o [B, Tq, H, v]`` in the compute dtype."""
+        return masked_attention(*self._expanded(q_nope, q_rope, c, k_rope), mask, self.scale)
 
     # -- absorbed path over the latent cache ------------------------------------------------------
     def _absorbed_attend(self, q_nope, q_rope, c, k_rope, mask):

@@ -1,23 +1,47 @@
 """Causal softmax attention for MLA's training path (math §4): cuDNN's fused kernel on Hopper GPUs,
 XLA's composition of the formula elsewhere.
 
-``o = softmax(scale * q k^T + mask) v`` per head, with a causal, segment-aware boolean mask.
+``o = softmax(scale * q k^T + mask) v`` per head, causal and within each packed document
+(``segment_ids``: equal ids attend to each other).
 
 * :func:`attention_reference` -- the formula in fp32, scores materialised: the oracle;
 * :func:`causal_attention` -- what the model calls. On an sm_90 GPU with bf16 or fp16 inputs it is
-  cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``, causal, the
-  segment mask as a constant bias): the ``[B, H, T, T]`` scores never reach memory and the upper
-  triangle is skipped. Otherwise XLA's attention, whose scores and probabilities are
-  ``[B, H, T, T]`` fp32 arrays. Both want equal q/k/v head dims: ``v`` is zero-padded to the
-  query's (MLA's values are narrower than its queries), the extra output columns dropped.
+  cuDNN's flash attention: the ``[B, H, T, T]`` scores never reach memory and the upper triangle
+  is skipped. Packed documents go to cuDNN as its packed layout (each row's documents by offset
+  and length, :func:`segment_runs`), so no mask is read at all; a batch whose rows hold more than
+  :data:`PACKED_SEGMENTS` documents, or whose ids are not in runs, takes cuDNN's kernel with the
+  mask as an additive ``[B, 1, T, T]`` bias instead, which it reads once per head (at
+  ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.75: docs/benchmarks.md).
+  Elsewhere XLA's attention, whose scores and probabilities are ``[B, H, T, T]`` fp32 arrays.
+  Both want equal q/k/v head dims: ``v`` is zero-padded to the query's (MLA's values are narrower
+  than its queries), the extra output columns dropped.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+# jax's public attention API takes per-row lengths but not packed documents; the packed layout
+# (offsets and lengths of each row's documents) is its cuDNN module's own entry point.
+from jax._src.cudnn.fused_attention_stablehlo import MaskType
+from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
 from k3jax.devices import hopper_gpus
+
+# Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
+# grid by rows x this number: 64 made it 2x slower than 16 at k3_small's shape.
+PACKED_SEGMENTS = 16
+
+
+def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """Boolean ``[B, 1, T, T]``: causal, and only within the same segment."""
+    causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (batch, 1, length, length))
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return causal & same
 
 
 def attention_reference(q, k, v, mask, scale: float) -> jax.Array:
@@ -30,19 +54,68 @@ def attention_reference(q, k, v, mask, scale: float) -> jax.Array:
     return jnp.einsum("bhts,bshd->bthd", p, v.astype(f32), precision=jax.lax.Precision.HIGHEST)
 
 
-def causal_attention(q, k, v, mask, scale: float) -> jax.Array:
-    """Attention of ``q`` over ``k, v`` under ``mask`` (which must include the causal mask):
-    shapes as :func:`attention_reference`; returns ``[B, T, H, Dv]`` in ``q``'s dtype."""
+def segment_runs(segment_ids: jax.Array, max_runs: int):
+    """Each row's documents in cuDNN's packed layout: ``(offsets [B, M + 1], lengths [B, M], fits)``
+    for ``segment_ids [B, T]`` and ``M = max_runs``: the first token and the length of every run of
+    equal ids, ``-1`` past a row's last run; ``fits`` ([] bool) is true when every row's ids are
+    non-decreasing (each document one run, so runs and the mask's segments agree) with at most
+    ``M`` runs. Where it is false the offsets and lengths are meaningless."""
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    run = jnp.cumsum(starts, axis=1) - 1  # [B, T]: the run each token is in
+    runs = run[:, -1] + 1  # [B]
+    slot = jnp.arange(max_runs + 1)
+    # offsets[b, r] = the first token of run r: the number of tokens in runs before it
+    first = jnp.sum(run[:, None, :] < slot[None, :, None], axis=-1).astype(jnp.int32)
+    offsets = jnp.where(slot[None] < runs[:, None], first, -1)
+    lengths = jnp.where(slot[None, :-1] < runs[:, None], first[:, 1:] - first[:, :-1], -1)
+    fits = jnp.all(runs <= max_runs) & jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
+    return offsets, lengths, fits
+
+
+def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float) -> jax.Array:
+    """Causal attention of ``q`` over ``k, v``, within the documents of ``segment_ids [B, T]`` int
+    (None: one document a row): ``q [B, T, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``;
+    returns ``[B, T, H, Dv]`` in ``q``'s dtype."""
+    v_in = _padded_values(q, v)
+    b, t = q.shape[:2]
+    if not _cudnn_supports(q):
+        mask = None if segment_ids is None else attention_mask(segment_ids, b, t)
+        out = jax.nn.dot_product_attention(q, k, v_in, mask=mask, scale=scale, is_causal=True)
+    elif segment_ids is None:
+        out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
+                                           implementation="cudnn")
+    else:
+        offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
+
+        def packed(q, k, v_in):
+            return cudnn_attention(q, k, v_in, q_seqlen=lengths, kv_seqlen=lengths,
+                                   q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                                   mask_type=MaskType.PADDING_CAUSAL)
+
+        def masked(q, k, v_in):
+            return jax.nn.dot_product_attention(q, k, v_in, mask=attention_mask(segment_ids, b, t),
+                                               scale=scale, is_causal=True,
+                                               implementation="cudnn")
+
+        out = lax.cond(fits, packed, masked, q, k, v_in)
+    return out[..., :v.shape[-1]]
+
+
+def masked_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """XLA's attention of ``q [B, Tq, H, Dk]`` over ``k [B, S, H, Dk]``, ``v [B, S, H, Dv]`` under
+    ``mask [B, 1, Tq, S]`` bool (new tokens over a cache) -> ``[B, Tq, H, Dv]``."""
+    return jax.nn.dot_product_attention(q, k, _padded_values(q, v), mask=mask,
+                                        scale=scale)[..., :v.shape[-1]]
+
+
+def _padded_values(q, v) -> jax.Array:
+    """``v`` with zero columns up to the query's head dim, which jax's attention wants for both."""
     pad = q.shape[-1] - v.shape[-1]
     if pad < 0:
-        raise ValueError(f"causal_attention: value head dim {v.shape[-1]} larger than the query's "
+        raise ValueError(f"attention: value head dim {v.shape[-1]} larger than the query's "
                          f"{q.shape[-1]} is not supported")
-    # jax.nn.dot_product_attention wants the query's head dim for the values too: zero columns
-    v_in = jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad else v
-    impl = "cudnn" if _cudnn_supports(q) else None
-    out = jax.nn.dot_product_attention(q, k, v_in, mask=mask, scale=scale, is_causal=True,
-                                       implementation=impl)
-    return out[..., :v.shape[-1]]
+    return jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad else v
 
 
 def _cudnn_supports(q) -> bool:

@@ -1,0 +1,83 @@
+"""MLA's training attention at a preset's shape (``causal_attention``, k3jax/ops/attention.py): cuDNN
+with packed documents through its packed layout, through the ``[B, 1, T, T]`` mask it falls back
+to, and with one document a row; forward and forward + backward.
+
+JSON lines ``{"variant", "batch", "seq", "heads", "head_dim", "docs_per_row", "fwd_ms",
+"fwd_bwd_ms"}``, and for each variant with documents its largest difference from the masked
+kernel's output (both compute the same attention). Rows hold 1 to ``--docs`` documents of random
+lengths. On a machine without cuDNN (CPU) every variant is XLA's attention.
+
+    PYTHONPATH=. python3 benchmarks/attention.py [--batch 16 --seq 2048 --heads 6 --head-dim 192]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import emit, timed
+
+from k3jax.ops.attention import PACKED_SEGMENTS, attention_mask, causal_attention
+
+
+def _masked(q, k, v, seg, scale):
+    """The fallback alone: cuDNN (XLA on a CPU) with the segment mask as its bias."""
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(seg, *seg.shape), scale=scale,
+                                        is_causal=True, implementation=impl)
+
+
+VARIANTS = {  # the masked kernel first: the packed path's output is compared with it
+    "masked": _masked,
+    "packed": causal_attention,
+    "one_document": lambda q, k, v, seg, scale: causal_attention(q, k, v, None, scale),
+}
+
+
+def _segments(batch: int, seq: int, docs: int) -> jax.Array:
+    """``[B, T]`` int32: row ``b`` holds ``1 + b % docs`` documents split at random tokens."""
+    rng = np.random.default_rng(0)
+    seg = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        for cut in rng.choice(np.arange(1, seq), b % docs, replace=False):
+            seg[b, cut:] += 1
+    return jnp.asarray(seg)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=192)
+    p.add_argument("--docs", type=int, default=12, help=f"at most {PACKED_SEGMENTS} to fit")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    shape = (a.batch, a.seq, a.heads, a.head_dim)
+    q, k, v, ct = (jax.random.normal(key, shape, dtype) for key in
+                   jax.random.split(jax.random.key(0), 4))
+    seg, scale = _segments(a.batch, a.seq, a.docs), a.head_dim ** -0.5
+    masked_out = None
+    for name, attend in VARIANTS.items():
+        fwd = jax.jit(lambda q, k, v, s, attend=attend: attend(q, k, v, s, scale))
+        loss = lambda q, k, v, s, attend=attend: jnp.vdot(  # noqa: E731
+            attend(q, k, v, s, scale).astype(jnp.float32), ct.astype(jnp.float32))
+        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        rec = {"variant": name, "batch": a.batch, "seq": a.seq, "heads": a.heads,
+               "head_dim": a.head_dim, "docs_per_row": [1, min(a.docs, a.batch)],
+               "fwd_ms": round(timed(fwd, (q, k, v, seg), a.iters, a.repeats), 4),
+               "fwd_bwd_ms": round(timed(fwd_bwd, (q, k, v, seg), a.iters, a.repeats), 4)}
+        out = fwd(q, k, v, seg).astype(jnp.float32)
+        if name == "masked":
+            masked_out = out
+        elif name == "packed":
+            rec["max_abs_diff_vs_masked"] = float(jnp.max(jnp.abs(out - masked_out)))
+        emit(rec)
+
+
+if __name__ == "__main__":
+    main()
