@@ -1,6 +1,6 @@
-"""MLA's training attention at a preset's shape (``causal_attention``, k3jax/ops/attention.py): cuDNN
-with packed documents through its packed layout, through the ``[B, 1, T, T]`` mask it falls back
-to, and with one document a row; forward and forward + backward.
+"""MLA's training attention (``causal_attention``, k3jax/ops/attention.py) at a preset's shape:
+cuDNN with packed documents through its packed layout, through the ``[B, 1, T, T]`` mask it falls
+back to, and with one document a row; forward and forward + backward.
 
 JSON lines ``{"variant", "batch", "seq", "heads", "head_dim", "docs_per_row", "fwd_ms",
 "fwd_bwd_ms"}``, and for each variant with documents its largest difference from the masked
