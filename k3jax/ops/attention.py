@@ -5,13 +5,14 @@ XLA's composition of the formula elsewhere.
 (``segment_ids``: equal ids attend to each other).
 
 * :func:`attention_reference` -- the formula in fp32, scores materialised: the oracle;
-* :func:`causal_attention` -- what the model calls. On an sm_90 GPU with bf16 or fp16 inputs it is
+* :func:`causal_attention` -- what the model calls (with documents and several devices, each
+  device on its own rows, inside ``shard_map``). On an sm_90 GPU with bf16 or fp16 inputs it is
   cuDNN's flash attention: the ``[B, H, T, T]`` scores never reach memory and the upper triangle
   is skipped. Packed documents go to cuDNN as its packed layout (each row's documents by offset
   and length, :func:`segment_runs`), so no mask is read at all; a batch whose rows hold more than
   :data:`PACKED_SEGMENTS` documents, or whose ids are not in runs, takes cuDNN's kernel with the
   mask as an additive ``[B, 1, T, T]`` bias instead, which it reads once per head (at
-  ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.75: docs/benchmarks.md).
+  ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.9: docs/benchmarks.md).
   Elsewhere XLA's attention, whose scores and probabilities are ``[B, H, T, T]`` fp32 arrays.
   Both want equal q/k/v head dims: ``v`` is zero-padded to the query's (MLA's values are narrower
   than its queries), the extra output columns dropped.
@@ -19,6 +20,10 @@ XLA's composition of the formula elsewhere.
 
 from __future__ import annotations
 
+import functools
+import math
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,7 +32,9 @@ from jax import lax
 # (offsets and lengths of each row's documents) is its cuDNN module's own entry point.
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+from jax.sharding import PartitionSpec as P
 
+from k3jax.config.mesh import rule_axes
 from k3jax.devices import hopper_gpus
 
 # Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
@@ -78,28 +85,53 @@ def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float) -> ja
     (None: one document a row): ``q [B, T, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``;
     returns ``[B, T, H, Dv]`` in ``q``'s dtype."""
     v_in = _padded_values(q, v)
-    b, t = q.shape[:2]
-    if not _cudnn_supports(q):
-        mask = None if segment_ids is None else attention_mask(segment_ids, b, t)
-        out = jax.nn.dot_product_attention(q, k, v_in, mask=mask, scale=scale, is_causal=True)
-    elif segment_ids is None:
+    if segment_ids is None:
+        impl = "cudnn" if _cudnn_supports(q) else None
         out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
-                                           implementation="cudnn")
+                                           implementation=impl)
     else:
-        offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
-
-        def packed(q, k, v_in):
-            return cudnn_attention(q, k, v_in, q_seqlen=lengths, kv_seqlen=lengths,
-                                   q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                                   mask_type=MaskType.PADDING_CAUSAL)
-
-        def masked(q, k, v_in):
-            return jax.nn.dot_product_attention(q, k, v_in, mask=attention_mask(segment_ids, b, t),
-                                               scale=scale, is_causal=True,
-                                               implementation="cudnn")
-
-        out = lax.cond(fits, packed, masked, q, k, v_in)
+        out = _per_device(functools.partial(_within_documents, scale=scale), q, k, v_in,
+                          segment_ids)
     return out[..., :v.shape[-1]]
+
+
+def _within_documents(q, k, v, segment_ids, scale: float) -> jax.Array:
+    """:func:`causal_attention` with documents, on the rows at hand (``v`` padded to ``q``'s
+    head dim)."""
+    b, t = segment_ids.shape
+    if not _cudnn_supports(q):
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids, b, t),
+                                            scale=scale, is_causal=True)
+    offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
+
+    def packed(q, k, v):
+        return cudnn_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                               kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL)
+
+    def masked(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids, b, t),
+                                            scale=scale, is_causal=True, implementation="cudnn")
+
+    return lax.cond(fits, packed, masked, q, k, v)
+
+
+def _per_device(attend, q, k, v, segment_ids) -> jax.Array:
+    """``attend(q, k, v, segment_ids)`` on each device's rows: under a current mesh of several
+    devices (:func:`k3jax.parallel.mesh.use_mesh`), inside one ``shard_map`` over the mesh axes
+    that split the batch, and those that split the heads where they divide them. Each row's
+    document offsets then stay with the row, whatever XLA would propagate to them, and each device
+    picks the packed or the masked kernel for its own rows."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    rows = rule_axes(rules, "batch") if rules else ()
+    if math.prod(sizes.values()) <= 1 or q.shape[0] % math.prod(sizes[a] for a in rows):
+        return attend(q, k, v, segment_ids)  # one device, or rows XLA must pad to split
+    heads = tuple(a for a in rule_axes(rules, "heads") if a not in rows)
+    if q.shape[2] % math.prod(sizes[a] for a in heads):
+        heads = ()  # every device of those axes runs all the heads
+    spec = P(rows or None, None, heads or None, None)
+    return jax.shard_map(attend, in_specs=(spec, spec, spec, P(rows or None, None)),
+                         out_specs=spec)(q, k, v, segment_ids)
 
 
 def masked_attention(q, k, v, mask, scale: float) -> jax.Array:
