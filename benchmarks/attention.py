@@ -19,18 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import emit, timed
 
-from k3jax.ops.attention import PACKED_SEGMENTS, attention_mask, causal_attention
-
-
-def _masked(q, k, v, seg, scale):
-    """The fallback alone: cuDNN (XLA on a CPU) with the segment mask as its bias."""
-    impl = "cudnn" if jax.default_backend() == "gpu" else None
-    return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(seg, *seg.shape), scale=scale,
-                                        is_causal=True, implementation=impl)
-
+from k3jax.ops.attention import PACKED_SEGMENTS, causal_attention, masked_causal_attention
 
 VARIANTS = {  # the masked kernel first: the packed path's output is compared with it
-    "masked": _masked,
+    "masked": masked_causal_attention,
     "packed": causal_attention,
     "one_document": lambda q, k, v, seg, scale: causal_attention(q, k, v, None, scale),
 }

@@ -11,8 +11,9 @@ XLA's composition of the formula elsewhere.
   is skipped. Packed documents go to cuDNN as its packed layout (each row's documents by offset
   and length, :func:`segment_runs`), so no mask is read at all; a batch whose rows hold more than
   :data:`PACKED_SEGMENTS` documents, or whose ids are not in runs, takes cuDNN's kernel with the
-  mask as an additive ``[B, 1, T, T]`` bias instead, which it reads once per head (at
-  ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.9: docs/benchmarks.md).
+  mask as an additive ``[B, 1, T, T]`` bias instead (:func:`masked_causal_attention`), which it
+  reads once per head (at ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.9:
+  docs/benchmarks.md).
   Elsewhere XLA's attention, whose scores and probabilities are ``[B, H, T, T]`` fp32 arrays.
   Both want equal q/k/v head dims: ``v`` is zero-padded to the query's (MLA's values are narrower
   than its queries), the extra output columns dropped.
@@ -86,9 +87,8 @@ def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float) -> ja
     returns ``[B, T, H, Dv]`` in ``q``'s dtype."""
     v_in = _padded_values(q, v)
     if segment_ids is None:
-        impl = "cudnn" if _cudnn_supports(q) else None
         out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
-                                           implementation=impl)
+                                           implementation=_implementation(q))
     else:
         out = _per_device(functools.partial(_within_documents, scale=scale), q, k, v_in,
                           segment_ids)
@@ -98,10 +98,8 @@ def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float) -> ja
 def _within_documents(q, k, v, segment_ids, scale: float) -> jax.Array:
     """:func:`causal_attention` with documents, on the rows at hand (``v`` padded to ``q``'s
     head dim)."""
-    b, t = segment_ids.shape
-    if not _cudnn_supports(q):
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids, b, t),
-                                            scale=scale, is_causal=True)
+    if _implementation(q) is None:
+        return masked_causal_attention(q, k, v, segment_ids, scale)
     offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
 
     def packed(q, k, v):
@@ -109,10 +107,18 @@ def _within_documents(q, k, v, segment_ids, scale: float) -> jax.Array:
                                kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL)
 
     def masked(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids, b, t),
-                                            scale=scale, is_causal=True, implementation="cudnn")
+        return masked_causal_attention(q, k, v, segment_ids, scale)
 
     return lax.cond(fits, packed, masked, q, k, v)
+
+
+def masked_causal_attention(q, k, v, segment_ids, scale: float) -> jax.Array:
+    """Causal attention within documents under their ``[B, 1, T, T]`` mask (cuDNN reads it as a
+    bias where it runs): :func:`causal_attention`'s fallback, and its only form off Hopper GPUs.
+    ``v`` already has ``q``'s head dim."""
+    mask = attention_mask(segment_ids, *segment_ids.shape)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                        implementation=_implementation(q))
 
 
 def _per_device(attend, q, k, v, segment_ids) -> jax.Array:
@@ -150,8 +156,10 @@ def _padded_values(q, v) -> jax.Array:
     return jnp.pad(v, ((0, 0),) * 3 + ((0, pad),)) if pad else v
 
 
-def _cudnn_supports(q) -> bool:
-    """cuDNN's flash attention: sm_90, half-precision inputs, a head dim <= 256 and a multiple
-    of 8, an even sequence length (with a bias)."""
-    return (hopper_gpus() and q.dtype in (jnp.bfloat16, jnp.float16)
-            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.shape[1] % 2 == 0)
+def _implementation(q) -> str | None:
+    """``"cudnn"`` where cuDNN's flash attention takes ``q`` (sm_90, half-precision inputs, a
+    head dim <= 256 and a multiple of 8, an even sequence length (with a bias)), else None
+    (XLA's attention)."""
+    cudnn = (hopper_gpus() and q.dtype in (jnp.bfloat16, jnp.float16)
+             and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.shape[1] % 2 == 0)
+    return "cudnn" if cudnn else None
