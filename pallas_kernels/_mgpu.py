@@ -70,6 +70,12 @@ def store_split(value, parts) -> None:
             value = value - part.astype(F32)
 
 
+def part_views(stacked) -> list:
+    """The parts of a split tile stacked on its leading axis (``tiles((n, ...))``) as the list of
+    refs that :func:`store_split` and the split products take."""
+    return [stacked.at[i] for i in range(stacked.shape[0])]
+
+
 def load(ref, layout=WG) -> jax.Array:
     return plgpu.load(ref, layout=layout, optimized=False)
 

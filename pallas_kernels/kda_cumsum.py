@@ -35,6 +35,7 @@ from pallas_kernels._mgpu import (
     load,
     matmul,
     over_tiles,
+    part_views,
     shared_lowering,
     store_split,
     tiles,
@@ -72,7 +73,7 @@ def _triangular_sums(upper: bool, dk, scratch, emit) -> None:
     x_s, tri_s, parts_s, bar = scratch[:4]
     _triangle(tri_s, upper)
     plgpu.barrier_wait(bar)
-    _chunk_sums(x_s, tri_s, [parts_s.at[i] for i in range(SPLITS)], dk, emit)
+    _chunk_sums(x_s, tri_s, part_views(parts_s), dk, emit)
 
 
 def _this_chunk():

@@ -76,6 +76,7 @@ from pallas_kernels._mgpu import (
     load,
     matmul,
     matmul_onto,
+    part_views,
     per_col,
     per_row,
     products,
@@ -198,8 +199,7 @@ def _chunk_inverse(l_parts, s_s, d_s, split_s, interpret: bool):
     def merge(level, d):
         rb, cb = iota(FULL, 0) >> 4, iota(FULL, 1) >> 4
         below = jnp.where(level == 0, (rb - cb == 1) & ((rb & 1) == 1), (rb >= 2) & (cb < 2))
-        parts = [l_parts.at[i] for i in range(l_parts.shape[0])]
-        bd = jnp.where(below, _precise_product(parts, d, split_s, interpret), 0.0)
+        bd = jnp.where(below, _precise_product(part_views(l_parts), d, split_s, interpret), 0.0)
         return _precise_product(_register_parts(-d), bd, split_s, interpret, onto=d)
 
     return lax.fori_loop(0, 2, merge, load(d_s))
@@ -289,7 +289,7 @@ def _inverse(akk_ref, beta_ref, at: _Chunk, scratch, interpret: bool):
     lower = jnp.where(_strictly_lower(),  # Akk on and above the diagonal may be anything
                       _scaled_tile(akk_ref, at, ALL, _beta_rows(beta_ref, at))[1], 0.0)
     d_s[...] = lower
-    store_split(lower, [l_parts.at[i] for i in range(l_parts.shape[0])])
+    store_split(lower, part_views(l_parts))
     plgpu.commit_smem()
     return _chunk_inverse(l_parts, s_s, d_s, split_s, interpret)
 
