@@ -1,6 +1,7 @@
 """MLA's training attention (``causal_attention``, k3jax/ops/attention.py) at a preset's shape:
-cuDNN with packed documents through its packed layout, through the ``[B, 1, T, T]`` mask it falls
-back to, and with one document a row; forward and forward + backward.
+cuDNN with packed documents through its packed layout (as the training loop runs it, the layout
+chosen on the host; and ``checked``, as ``model.apply`` runs it, behind the device-side check),
+through the ``[B, 1, T, T]`` mask, and with one document a row; forward and forward + backward.
 
 JSON lines ``{"variant", "batch", "seq", "heads", "head_dim", "docs_per_row", "fwd_ms",
 "fwd_bwd_ms"}``, and for each variant with documents its largest difference from the masked
@@ -13,6 +14,7 @@ lengths. On a machine without cuDNN (CPU) every variant is XLA's attention.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +23,10 @@ from _timing import emit, timed
 
 from k3jax.ops.attention import PACKED_SEGMENTS, causal_attention, masked_causal_attention
 
-VARIANTS = {  # the masked kernel first: the packed path's output is compared with it
+VARIANTS = {  # the masked kernel first: the packed paths' outputs are compared with it
     "masked": masked_causal_attention,
-    "packed": causal_attention,
+    "packed": functools.partial(causal_attention, documents="packed"),
+    "checked": causal_attention,
     "one_document": lambda q, k, v, seg, scale: causal_attention(q, k, v, None, scale),
 }
 
@@ -66,7 +69,7 @@ def main(argv=None) -> None:
         out = fwd(q, k, v, seg).astype(jnp.float32)
         if name == "masked":
             masked_out = out
-        elif name == "packed":
+        elif name in ("packed", "checked"):
             rec["max_abs_diff_vs_masked"] = float(jnp.max(jnp.abs(out - masked_out)))
         emit(rec)
 

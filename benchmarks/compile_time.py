@@ -61,6 +61,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from _timing import compile_stages
 from _trace import host_events, trace_files
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -109,6 +110,10 @@ def batch_struct(b: int, t: int) -> dict:
     dt = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
           "weights": jnp.float32}
     return {k: jax.ShapeDtypeStruct((b, t), dt[k]) for k in BATCH_KEYS}
+
+
+def _zeros(batch: dict) -> dict:
+    return {k: np.zeros(s.shape, s.dtype) for k, s in batch.items()}
 
 
 def loss_fn(model):
@@ -186,7 +191,8 @@ def loop_compile(cfg, batch: dict, make_state, axes: dict, trace_dir: str | None
                                   {"params": axes})
     with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
         t0 = time.perf_counter()
-        compiled = compile_step_async(cfg, mesh, shapes, axes, batch)[1].result()
+        # a batch of one document a row: the packed attention's step, as train.py's first
+        compiled = compile_step_async(cfg, mesh, shapes, axes, _zeros(batch))[1].result()
         total = time.perf_counter() - t0  # the stages overlap: the update traces as XLA compiles
     temp = compiled.temp_bytes()
     seconds = {k: round(v, 2) for k, v in compiled.seconds.items()}

@@ -20,6 +20,7 @@ from k3jax.ops.attention import (
     PACKED_SEGMENTS,
     attention_mask,
     attention_reference,
+    batch_documents,
     causal_attention,
     segment_runs,
 )
@@ -61,12 +62,13 @@ def _reference(q, k, v, seg, scale):
     return attention_reference(q, k, v, attention_mask(seg, q.shape[0], q.shape[1]), scale)
 
 
-def _check(dtype, seg, out_tol, grad_tol):
+def _check(dtype, seg, out_tol, grad_tol, documents="auto"):
     q, k, v, cot = _inputs(dtype)
     seg = None if seg is None else jnp.asarray(seg)
     f32 = jax.jit(lambda *x: [a.astype(jnp.float32) for a in x])(q, k, v)
     ref, ref_grads = _values_and_grads(_reference, *f32, seg, cot)
-    out, grads = _values_and_grads(causal_attention, q, k, v, seg, cot)
+    attend = functools.partial(causal_attention, documents=documents)
+    out, grads = _values_and_grads(attend, q, k, v, seg, cot)
     assert rel_rms(ref, out) <= out_tol, rel_rms(ref, out)
     for name, r, g in zip("qkv", ref_grads, grads):
         assert g.dtype == dtype
@@ -83,6 +85,38 @@ def test_xla_path_matches_the_formula_fp32(seg):
                          ids=["packed", "many", "split", "one"])
 def test_cudnn_path_matches_the_formula_bf16(seg):
     _check(jnp.bfloat16, seg, BF16_OUT_TOL, BF16_GRAD_QKV_TOL)
+
+
+@pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
+@pytest.mark.parametrize("seg, documents", [(THREE_DOCS, "packed"), (MANY_DOCS, "masked"),
+                                            (SPLIT_DOC, "masked")], ids=["packed", "many", "split"])
+def test_cudnn_layout_chosen_ahead_matches_the_formula_bf16(seg, documents):
+    """The layout the training loop picks on the host (no device-side check) for the rows it
+    fits: the formula's values and gradients."""
+    assert batch_documents(seg) == documents
+    _check(jnp.bfloat16, seg, BF16_OUT_TOL, BF16_GRAD_QKV_TOL, documents)
+
+
+@pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
+def test_packed_layout_promised_for_rows_it_does_not_fit_gives_nan():
+    q, k, v, _ = _inputs(jnp.bfloat16)
+    out = causal_attention(q, k, v, jnp.asarray(MANY_DOCS), 0.125, documents="packed")
+    assert bool(jnp.isnan(out.astype(jnp.float32)).all())
+
+
+@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, False),
+                                       (np.ones((2, T), np.int32), True)],
+                         ids=["packed", "many", "split", "one"])
+def test_host_choice_of_layout_is_the_device_check(seg, fits, monkeypatch):
+    """:func:`batch_documents` (numpy, on the host) says "packed" exactly where
+    :func:`segment_runs` (on the device) finds that the rows fit; off Hopper GPUs, "masked"."""
+    import k3jax.ops.attention as attention
+
+    assert bool(segment_runs(jnp.asarray(seg), PACKED_SEGMENTS)[2]) == fits
+    monkeypatch.setattr(attention, "hopper_gpus", lambda: True)
+    assert batch_documents(seg) == ("packed" if fits else "masked")
+    monkeypatch.setattr(attention, "hopper_gpus", lambda: False)
+    assert batch_documents(seg) == "masked"
 
 
 def _runs_by_loop(row):

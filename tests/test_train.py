@@ -203,6 +203,38 @@ def test_packed_batch_equals_documents_one_by_one():
     assert rel_rms(alone[1], nats[4, bounds[1]:bounds[2]]) > 10 * FP32_TOL
 
 
+def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch):
+    """With MLA's ``documents="auto"`` the loop picks each batch's attention layout on the host
+    and compiles a step per layout when a batch first needs it. Here the layout is "packed" for
+    batches of one document a row (on the CPU both steps are the same computation): the run
+    compiles the second step when it first needs it and ends where a run with one step does."""
+    import k3jax.ops.attention as attention
+    from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
+    from k3jax.train.loop import run
+
+    cfg = ExperimentConfig(
+        model=TINY_MODEL,
+        data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
+                        cache_dir=str(tmp_path / "data")),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0), train=TrainConfig(steps=6, log_every=6),
+        eval=EvalConfig(every=100, batches=1))
+    chosen, lines = [], []
+
+    def by_documents(ids):
+        chosen.append("packed" if (np.diff(ids, axis=1) == 0).all() else "masked")
+        return chosen[-1]
+
+    monkeypatch.setattr(attention, "batch_documents", by_documents)
+    run(cfg, tmp_path / "two", log=lines.append)
+    assert set(chosen) == {"packed", "masked"}, chosen  # else this run tests nothing
+    later = next(c for c in chosen if c != chosen[0])
+    compiles = [m for m in map(str, lines) if m.startswith("[compile] step")]
+    assert len(compiles) == 1 and f"takes MLA's {later} attention" in compiles[0], compiles
+    monkeypatch.undo()
+    run(cfg, tmp_path / "one", log=lambda m: None)  # "masked" throughout (no cuDNN here)
+    _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))
+
+
 def test_nonfinite_step_is_skipped_and_counted():
     """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to
     compile)."""

@@ -111,7 +111,8 @@ class MLALayer(nn.Module):
         q_nope, q_rope = self._query(x, pos)
         c, k_rope = self._latent(x, pos)
         q, k, v = self._expanded(q_nope, q_rope, c, k_rope)
-        return self._output(x, causal_attention(q, k, v, segment_ids, self.scale))
+        return self._output(x, causal_attention(q, k, v, segment_ids, self.scale,
+                                                self.cfg.mla.documents))
 
     def _expanded(self, q_nope, q_rope, c, k_rope):
         """Queries, and keys and values expanded from the latent through ``W_kvb``:

@@ -14,6 +14,9 @@ XLA's composition of the formula elsewhere.
   mask as an additive ``[B, 1, T, T]`` bias instead (:func:`masked_causal_attention`), which it
   reads once per head (at ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.9:
   docs/benchmarks.md).
+  That check is a ``lax.cond`` whose predicate the host reads; ``documents="packed"`` or
+  ``"masked"`` skip it, for a caller that knows its rows (the training loop checks each batch on
+  the host, :func:`batch_documents`).
   Elsewhere XLA's attention, whose scores and probabilities are ``[B, H, T, T]`` fp32 arrays.
   Both want equal q/k/v head dims: ``v`` is zero-padded to the query's (MLA's values are narrower
   than its queries), the extra output columns dropped.
@@ -27,6 +30,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # jax's public attention API takes per-row lengths but not packed documents; the packed layout
@@ -77,28 +81,45 @@ def segment_runs(segment_ids: jax.Array, max_runs: int):
     first = jnp.sum(run[:, None, :] < slot[None, :, None], axis=-1).astype(jnp.int32)
     offsets = jnp.where(slot[None] < runs[:, None], first, -1)
     lengths = jnp.where(slot[None, :-1] < runs[:, None], first[:, 1:] - first[:, :-1], -1)
-    fits = jnp.all(runs <= max_runs) & jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
-    return offsets, lengths, fits
+    return offsets, lengths, _runs_fit(segment_ids, runs, max_runs, jnp)
 
 
-def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float) -> jax.Array:
+def _runs_fit(segment_ids, runs, max_runs: int, xp):
+    """Every row's ids non-decreasing (each document one run) with at most ``max_runs`` runs
+    (``runs [B]``); ``xp``: numpy or jax.numpy."""
+    return xp.all(runs <= max_runs) & xp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
+
+
+def batch_documents(segment_ids: np.ndarray) -> str:
+    """The ``documents`` setting (:func:`causal_attention`) a batch's ``segment_ids [B, T]`` can
+    take, decided on the host: ``"packed"`` where cuDNN's packed layout takes every row (the
+    device-side check of :func:`segment_runs`), else ``"masked"``; off Hopper GPUs always
+    ``"masked"``, the only form there."""
+    ids = np.asarray(segment_ids)
+    runs = 1 + np.count_nonzero(ids[:, 1:] != ids[:, :-1], axis=1)
+    return "packed" if hopper_gpus() and _runs_fit(ids, runs, PACKED_SEGMENTS, np) else "masked"
+
+
+def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
+                     documents: str = "auto") -> jax.Array:
     """Causal attention of ``q`` over ``k, v``, within the documents of ``segment_ids [B, T]`` int
     (None: one document a row): ``q [B, T, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``;
-    returns ``[B, T, H, Dv]`` in ``q``'s dtype."""
+    returns ``[B, T, H, Dv]`` in ``q``'s dtype. ``documents``: ``"auto"``, ``"packed"`` or
+    ``"masked"`` (:class:`~k3jax.config.model.MLAConfig`)."""
     v_in = _padded_values(q, v)
     if segment_ids is None:
         out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
                                            implementation=_implementation(q))
     else:
-        out = _per_device(functools.partial(_within_documents, scale=scale), q, k, v_in,
-                          segment_ids)
+        out = _per_device(functools.partial(_within_documents, scale=scale, documents=documents),
+                          q, k, v_in, segment_ids)
     return out[..., :v.shape[-1]]
 
 
-def _within_documents(q, k, v, segment_ids, scale: float) -> jax.Array:
+def _within_documents(q, k, v, segment_ids, scale: float, documents: str) -> jax.Array:
     """:func:`causal_attention` with documents, on the rows at hand (``v`` padded to ``q``'s
     head dim)."""
-    if _implementation(q) is None:
+    if _implementation(q) is None or documents == "masked":
         return masked_causal_attention(q, k, v, segment_ids, scale)
     offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
 
@@ -109,6 +130,8 @@ def _within_documents(q, k, v, segment_ids, scale: float) -> jax.Array:
     def masked(q, k, v):
         return masked_causal_attention(q, k, v, segment_ids, scale)
 
+    if documents == "packed":  # a broken promise shows, rather than mixing documents
+        return jnp.where(fits, packed(q, k, v), jnp.nan)
     return lax.cond(fits, packed, masked, q, k, v)
 
 

@@ -7,6 +7,7 @@ checkpoints (:mod:`.checkpoint`), metrics (:mod:`.metrics`), evaluation (:mod:`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -131,10 +132,13 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
                                            variable_axes)
     start = 0 if found is None else found[0]
     # XLA compiles the step on a worker thread while the state is created or restored below
-    # (a finished run has no step left to compile).
+    # (a finished run has no step left to compile). One compiled step per attention layout the
+    # batches take (step_documents), each compiled when a batch first needs it.
+    compiled_steps = {}
     if start < cfg.train.steps:
-        lr_args, compiling = compile_step_async(cfg, mesh, sharded_shapes, axes,
-                                                data.train(start))
+        first_batch = data.train(start)
+        lr_args, compiled_steps[step_documents(cfg, first_batch)] = compile_step_async(
+            cfg, mesh, sharded_shapes, axes, first_batch)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
     if found is None:
@@ -181,8 +185,13 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
             t_call = time.time()
-            if step == start:
-                compiled = compiling.result()
+            documents = step_documents(cfg, host_batch)
+            if documents not in compiled_steps:
+                log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
+                    "compiling the train step for that")
+                compiled_steps[documents] = compile_step_async(
+                    cfg, mesh, sharded_shapes, axes, host_batch)[1]
+            compiled = compiled_steps[documents].result()
             state, metrics = compiled.run(state, place({k: host_batch[k] for k in BATCH_KEYS}),
                                           lr_args)
             if pending is not None:
@@ -228,11 +237,23 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     return summary
 
 
+def step_documents(cfg, host_batch: dict) -> str:
+    """The MLA ``documents`` setting of the train step that runs ``host_batch``: the config's, or
+    for ``"auto"`` the layout the batch's rows take, decided here on the host
+    (:func:`~k3jax.ops.attention.batch_documents`), so the step has no ``lax.cond`` to check it."""
+    from k3jax.ops.attention import batch_documents
+
+    documents = cfg.model.mla.documents
+    return batch_documents(host_batch["segment_ids"]) if documents == "auto" else documents
+
+
 def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: dict):
-    """The train step of ``cfg`` over ``mesh``, as the loop runs it, compiling on a worker thread
+    """The train step of ``cfg`` over ``mesh`` for batches like ``host_batch`` (extra keys
+    ignored; its MLA layers take the attention layout :func:`step_documents` picks for it), as the
+    loop runs it, compiling on a worker thread
     (:meth:`~k3jax.parallel.step.MeshStep.compile_async`) for the sharded ``state_shapes``
-    (:func:`~k3jax.parallel.step.sharded_state_shapes`) and a batch like ``host_batch`` (extra
-    keys ignored); ``axes``: the parameters' logical axis names.
+    (:func:`~k3jax.parallel.step.sharded_state_shapes`); ``axes``: the parameters' logical axis
+    names.
 
     Returns ``(schedule, compiling)``: the schedule's numbers, placed for the step (data, so a run
     with another learning rate or length loads this step from the compilation cache), and a future
@@ -242,14 +263,16 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     from k3jax.parallel import abstract_batch, sharded_step
 
     rules = cfg.mesh.rules
-    step = sharded_step(make_train_step(K3Model(cfg.model), cfg.optim, cfg.train.micro_batches,
+    model_cfg = cfg.model.replace(mla=dataclasses.replace(
+        cfg.model.mla, documents=step_documents(cfg, host_batch)))
+    step = sharded_step(make_train_step(K3Model(model_cfg), cfg.optim, cfg.train.micro_batches,
                                         cfg.model.moe, axes),
                         state_shapes, mesh, rules, donate=jax.default_backend() != "cpu")
     schedule = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     batch = abstract_batch(mesh, rules, {k: host_batch[k] for k in BATCH_KEYS})
     # What make_train_step and sharded_step read of the config: the rest of the key is the
     # arguments, the mesh and the environment (k3jax.parallel.executable_cache).
-    description = (cfg.model, cfg.optim, cfg.train.micro_batches, cfg.mesh)
+    description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
                                         description)
 
