@@ -191,7 +191,7 @@ def loop_compile(cfg, batch: dict, make_state, axes: dict, trace_dir: str | None
                                   {"params": axes})
     with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
         t0 = time.perf_counter()
-        # a batch of one document a row: the packed attention's step, as train.py's first
+        # zeros: one document a row, so the step of the packed attention (train.py's usual one)
         compiled = compile_step_async(cfg, mesh, shapes, axes, _zeros(batch))[1].result()
         total = time.perf_counter() - t0  # the stages overlap: the update traces as XLA compiles
     temp = compiled.temp_bytes()

@@ -140,6 +140,12 @@ def test_segment_runs_are_the_rows_documents(seg, fits):
         assert (offs[n:] == -1).all() and (lens[n:] == -1).all()
 
 
+def test_unknown_documents_setting_is_refused():
+    q, k, v, _ = _inputs(jnp.float32)
+    with pytest.raises(ValueError, match="documents must be one of .* got 'packd'"):
+        causal_attention(q, k, v, jnp.asarray(THREE_DOCS), 0.25, documents="packd")
+
+
 def test_value_head_wider_than_query_is_refused():
     q, k, v, _ = _inputs(jnp.float32, dk=16, dv=32)
     with pytest.raises(ValueError, match="value head dim 32"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import flax.linen as nn
 import jax
@@ -40,6 +41,7 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config.mesh import rule_axes
+from k3jax.config.model import Documents
 from k3jax.devices import hopper_gpus
 
 # Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
@@ -101,11 +103,14 @@ def batch_documents(segment_ids: np.ndarray) -> str:
 
 
 def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
-                     documents: str = "auto") -> jax.Array:
+                     documents: Documents = "auto") -> jax.Array:
     """Causal attention of ``q`` over ``k, v``, within the documents of ``segment_ids [B, T]`` int
     (None: one document a row): ``q [B, T, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``;
     returns ``[B, T, H, Dv]`` in ``q``'s dtype. ``documents``: ``"auto"``, ``"packed"`` or
     ``"masked"`` (:class:`~k3jax.config.model.MLAConfig`)."""
+    if documents not in typing.get_args(Documents):
+        raise ValueError(f"causal_attention: documents must be one of {typing.get_args(Documents)}"
+                         f", got {documents!r}")
     v_in = _padded_values(q, v)
     if segment_ids is None:
         out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
@@ -116,7 +121,7 @@ def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
     return out[..., :v.shape[-1]]
 
 
-def _within_documents(q, k, v, segment_ids, scale: float, documents: str) -> jax.Array:
+def _within_documents(q, k, v, segment_ids, scale: float, documents: Documents) -> jax.Array:
     """:func:`causal_attention` with documents, on the rows at hand (``v`` padded to ``q``'s
     head dim)."""
     if _implementation(q) is None or documents == "masked":
