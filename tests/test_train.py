@@ -304,6 +304,12 @@ def test_checkpoint_config_check_names_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.kda\.num_heads.*optim\.name"):
         check_config(saved, current, tmp_path)
     check_config(saved, saved, tmp_path)
+    # How MLA's attention takes packed documents is not part of the run: a checkpoint without the
+    # field, or with another value, resumes.
+    old = {**saved, "model": {**saved["model"], "mla": {"num_heads": 2}}}
+    for documents in ("auto", "masked"):
+        mla = {"num_heads": 2, "documents": documents}
+        check_config(old, {**old, "model": {**old["model"], "mla": mla}}, tmp_path)
 
 
 def test_optimizer_groups_and_schedules():

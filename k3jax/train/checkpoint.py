@@ -34,6 +34,9 @@ from k3jax.files import write_atomically
 # Sections of the config that must match to resume (the rest, e.g. train.steps, may change).
 MUST_MATCH = ("model", "optim.name", "train.micro_batches", "data.task", "data.tokenizer",
               "data.seed", "data.seq_len", "data.batch_size")
+# Fields inside MUST_MATCH that choose how a result is computed, not what it is: a run may resume
+# with another value (and from checkpoints made before the field existed).
+HOW_NOT_WHAT = ("model.mla.documents",)
 MANIFEST = "content_sha256.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names an unfinished save STEP.orbax-checkpoint-tmp-T
 UNRESTORABLE = "checkpoints_unrestorable"
@@ -281,6 +284,8 @@ def _get(tree: dict, dotted: str):
 
 
 def _diff(a, b, key: str) -> list[str]:
+    if key in HOW_NOT_WHAT:
+        return []
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
