@@ -18,7 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from _data import packed_segments
 from _timing import emit, timed
 
 from k3jax.ops.attention import PACKED_SEGMENTS, causal_attention, masked_causal_attention
@@ -29,16 +29,6 @@ VARIANTS = {  # the masked kernel first: the packed paths' outputs are compared 
     "checked": causal_attention,
     "one_document": lambda q, k, v, seg, scale: causal_attention(q, k, v, None, scale),
 }
-
-
-def _segments(batch: int, seq: int, docs: int) -> jax.Array:
-    """``[B, T]`` int32: row ``b`` holds ``1 + b % docs`` documents split at random tokens."""
-    rng = np.random.default_rng(0)
-    seg = np.zeros((batch, seq), np.int32)
-    for b in range(batch):
-        for cut in rng.choice(np.arange(1, seq), b % docs, replace=False):
-            seg[b, cut:] += 1
-    return jnp.asarray(seg)
 
 
 def main(argv=None) -> None:
@@ -55,7 +45,7 @@ def main(argv=None) -> None:
     shape = (a.batch, a.seq, a.heads, a.head_dim)
     q, k, v, ct = (jax.random.normal(key, shape, dtype) for key in
                    jax.random.split(jax.random.key(0), 4))
-    seg, scale = _segments(a.batch, a.seq, a.docs), a.head_dim ** -0.5
+    seg, scale = jnp.asarray(packed_segments(a.batch, a.seq, a.docs)), a.head_dim ** -0.5
     masked_out = None
     for name, attend in VARIANTS.items():
         fwd = jax.jit(lambda q, k, v, s, attend=attend: attend(q, k, v, s, scale))

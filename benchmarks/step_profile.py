@@ -2,7 +2,8 @@
 runs, every kernel tied to the HLO instruction and the model code it came from.
 
 The step is built as the training loop builds it (the preset's mesh, sharded state, donated
-buffers, its micro-batches and optimiser) on random tokens, and compiled as the loop compiles it:
+buffers, its micro-batches and optimiser) on random tokens (one document a row, or up to ``--docs``
+packed in a row, as a corpus gives them), and compiled as the loop compiles it:
 on a worker thread while the state is initialised. The script times the compile stages (trace,
 lower, XLA compile), the set-up beside it, the first call and ``start_to_first_step_s`` (from the
 start to the first step done), runs ``--warmup`` steps, times ``--steps`` steps (tokens/s, MFU as
@@ -47,6 +48,7 @@ import time
 
 import jax
 import numpy as np
+from _data import packed_segments
 from _timing import emit
 from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
@@ -65,9 +67,10 @@ from k3jax.train.optim import build_optimizer
 from k3jax.train.step import init_state
 
 
-def build(cfg):
+def build(cfg, docs: int = 1):
     """``(step, state, inputs, stages)`` as the training loop makes them: the jitted step, a fresh
-    sharded state and the step's other inputs (a random batch, the schedule's numbers), the step
+    sharded state and the step's other inputs (a batch of random tokens in rows of up to ``docs``
+    documents, :func:`packed_segments`; the schedule's numbers), the step
     compiled on a worker thread while the state is initialised. ``stages``: the compile stages'
     seconds, XLA's temporaries, the HLO text and ``setup_s`` (initialising, while XLA compiles)."""
     micro = cfg.data.batch_size // cfg.train.micro_batches
@@ -83,7 +86,7 @@ def build(cfg):
     b, t = cfg.data.batch_size, cfg.data.seq_len
     tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
     host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-            "segment_ids": np.zeros((b, t), np.int32), "weights": np.ones((b, t), np.float32)}
+            "segment_ids": packed_segments(b, t, docs), "weights": np.ones((b, t), np.float32)}
     shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables, axes)
     lr_args, compiling = compile_step_async(cfg, mesh, shapes, axes["params"], host)
     t0 = time.perf_counter()
@@ -192,6 +195,9 @@ def main(argv=None) -> None:
                     "ladder's width rule (heads, FFN and latent widths in proportion)")
     ap.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     ap.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    ap.add_argument("--docs", type=int, default=1,
+                    help="documents a row, up to (row b holds 1 + b %% DOCS, split at random "
+                         "tokens, as a packed corpus gives them); default one a row")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (untraced)")
     ap.add_argument("--trace-steps", type=int, default=3)
@@ -223,7 +229,7 @@ def main(argv=None) -> None:
         os.makedirs(args.out, exist_ok=True)
 
     t0 = time.perf_counter()
-    compiled, state, inputs, stages = build(cfg)
+    compiled, state, inputs, stages = build(cfg, args.docs)
     ready_s = time.perf_counter() - t0  # waiting for --serialize-with's lock is not counted
     hlo = stages.pop("hlo")
     with _exclusive(args.serialize_with), \
@@ -241,7 +247,8 @@ def main(argv=None) -> None:
     emit({"bench": "step_profile", "preset": args.config, "overrides": args.overrides,
           "d_model": cfg.model.d_model, "params_total": params.total,
           "params_active": params.active,
-          "batch": data.batch_size, "seq": data.seq_len, "micro_batches": cfg.train.micro_batches,
+          "batch": data.batch_size, "seq": data.seq_len, "docs_per_row": args.docs,
+          "micro_batches": cfg.train.micro_batches,
           "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
           "tokens_per_s": round(tokens / step_s), "step_ms": round(step_s * 1e3, 2),
           "mfu": None if mfu is None else round(mfu(tokens / step_s), 4),

@@ -43,10 +43,11 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
     layer kinds' named scopes in the sources, and the files it writes."""
     out = tmp_path / "profile"  # made by the script
     rows = _run(["benchmarks/step_profile.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "2",
-                 "--seq", "32", "--warmup", "0", "--steps", "1", "--trace-steps", "1",
-                 "--out", str(out)])
+                 "--seq", "32", "--docs", "3", "--warmup", "0", "--steps", "1",
+                 "--trace-steps", "1", "--out", str(out)])
     (head,) = [r for r in rows if r.get("bench") == "step_profile"]
     assert head["tokens_per_s"] > 0 and head["busy_ms"] > 0 and head["compile_s"] > 0
+    assert head["docs_per_row"] == 3
     cats = {r["category"]: r for r in rows if "category" in r and "source" not in r}
     assert {"matmul", "fusion"} <= set(cats)
     assert "other" not in cats  # no kernel without its instruction
