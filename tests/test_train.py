@@ -229,7 +229,8 @@ def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch)
     assert set(chosen) == {"packed", "masked"}, chosen  # else this run tests nothing
     later = next(c for c in chosen if c != chosen[0])
     compiles = [m for m in map(str, lines) if m.startswith("[compile] step")]
-    assert len(compiles) == 1 and f"takes MLA's {later} attention" in compiles[0], compiles
+    assert len(compiles) == 2 and f"takes MLA's {later} attention" in compiles[0], compiles
+    assert "after its batch" in compiles[1]  # the compiled step timed on its own
     monkeypatch.undo()
     run(cfg, tmp_path / "one", log=lambda m: None)  # "masked" throughout (no cuDNN here)
     _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))

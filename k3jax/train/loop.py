@@ -186,7 +186,8 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
             host_batch = data.train(step)
             t_call = time.time()
             documents = step_documents(cfg, host_batch)
-            if documents not in compiled_steps:
+            fresh = documents not in compiled_steps
+            if fresh:
                 log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
                     "compiling the train step for that")
                 compiled_steps[documents] = compile_step_async(
@@ -208,6 +209,10 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
                 log(f"[compile] first train step done {since_start:.1f} s after the start; "
                     f"{_compile_words(compiled.seconds)} while the state was set up, then the "
                     f"step waited {first:.1f} s")
+            elif fresh:  # its compile is not throughput: the window starts after it
+                jax.block_until_ready(metrics["loss"])
+                prog.window_t, prog.window_steps = time.time(), 0
+                log(f"[compile] step {done} done {prog.window_t - t_call:.1f} s after its batch")
             else:
                 prog.window_steps += 1
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
