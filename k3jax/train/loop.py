@@ -173,6 +173,18 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in tasks)
         log(f"[eval] step {step}: held-out {_eval_words(result)}{extra}")
 
+    def step_for(step: int, host_batch: dict):
+        """``(compiled step, compiled just now)`` for this batch's attention layout: a layout no
+        batch took before compiles here, and the step waits for it."""
+        documents = step_documents(cfg, host_batch)
+        fresh = documents not in compiled_steps
+        if fresh:
+            log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
+                "compiling the train step for that")
+            compiled_steps[documents] = compile_step_async(cfg, mesh, sharded_shapes, axes,
+                                                           host_batch)[1]
+        return compiled_steps[documents].result(), fresh
+
     prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
     if start == 0:
         evaluate(0, prog)
@@ -185,14 +197,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
             t_call = time.time()
-            documents = step_documents(cfg, host_batch)
-            fresh = documents not in compiled_steps
-            if fresh:
-                log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
-                    "compiling the train step for that")
-                compiled_steps[documents] = compile_step_async(
-                    cfg, mesh, sharded_shapes, axes, host_batch)[1]
-            compiled = compiled_steps[documents].result()
+            compiled, fresh = step_for(step, host_batch)
             state, metrics = compiled.run(state, place({k: host_batch[k] for k in BATCH_KEYS}),
                                           lr_args)
             if pending is not None:
