@@ -135,10 +135,16 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     # (a finished run has no step left to compile). One compiled step per attention layout the
     # batches take (step_documents), each compiled when a batch first needs it.
     compiled_steps = {}
+
+    def compile_for(documents: str, host_batch: dict):
+        """Start compiling the step of this layout; returns the schedule's placed numbers."""
+        schedule, compiled_steps[documents] = compile_step_async(
+            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch)
+        return schedule
+
     if start < cfg.train.steps:
         first_batch = data.train(start)
-        lr_args, compiled_steps[step_documents(cfg, first_batch)] = compile_step_async(
-            cfg, mesh, sharded_shapes, axes, first_batch)
+        lr_args = compile_for(step_documents(cfg, first_batch), first_batch)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
     if found is None:
@@ -181,8 +187,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         if fresh:
             log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
                 "compiling the train step for that")
-            compiled_steps[documents] = compile_step_async(cfg, mesh, sharded_shapes, axes,
-                                                           host_batch)[1]
+            compile_for(documents, host_batch)
         return compiled_steps[documents].result(), fresh
 
     prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
@@ -257,6 +262,12 @@ def step_documents(cfg, host_batch: dict) -> str:
     return batch_documents(host_batch["segment_ids"]) if documents == "auto" else documents
 
 
+def with_documents(cfg, documents: str):
+    """``cfg`` (an ExperimentConfig) with MLA's ``documents`` setting replaced."""
+    mla = dataclasses.replace(cfg.model.mla, documents=documents)
+    return dataclasses.replace(cfg, model=cfg.model.replace(mla=mla))
+
+
 def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: dict):
     """The train step of ``cfg`` over ``mesh`` for batches like ``host_batch`` (extra keys
     ignored; its MLA layers take the attention layout :func:`step_documents` picks for it), as the
@@ -273,8 +284,7 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     from k3jax.parallel import abstract_batch, sharded_step
 
     rules = cfg.mesh.rules
-    model_cfg = cfg.model.replace(mla=dataclasses.replace(
-        cfg.model.mla, documents=step_documents(cfg, host_batch)))
+    model_cfg = with_documents(cfg, step_documents(cfg, host_batch)).model
     step = sharded_step(make_train_step(K3Model(model_cfg), cfg.optim, cfg.train.micro_batches,
                                         cfg.model.moe, axes),
                         state_shapes, mesh, rules, donate=jax.default_backend() != "cpu")
