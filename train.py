@@ -11,7 +11,6 @@ line and exit status 2, before anything compiles; a run that fails later exits w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -36,17 +35,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    import jax
-
     # imports JAX: after the config is known good
+    from k3jax.parallel.compile_cache import use_compilation_cache
     from k3jax.train import CheckpointSaveError, NonFiniteError, run
 
     # Compiled programs are cached next to the runs, so a resumed or repeated run starts at once
-    # (docs/runs.md: jax's cache, and the train step under a key known before tracing).
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
-        Path(args.workdir).resolve().parent / ".jax_cache")
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # (docs/runs.md: jax's cache, the train step under a key known before tracing, and the XLA
+    # autotuning results k3jax ships).
+    use_compilation_cache(Path(args.workdir).resolve().parent / ".jax_cache")
 
     try:
         run(config, args.workdir)

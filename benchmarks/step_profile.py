@@ -61,6 +61,7 @@ from k3jax.parallel import (
     make_mesh,
     sharded_state_shapes,
 )
+from k3jax.parallel.compile_cache import use_compilation_cache
 from k3jax.sweep.ladder import scale_width
 from k3jax.train.loop import compile_step_async
 from k3jax.train.optim import build_optimizer
@@ -206,6 +207,10 @@ def main(argv=None) -> None:
                     help="no XLA command buffers: every kernel tied to its instruction")
     ap.add_argument("--out", help="directory for ops.jsonl")
     ap.add_argument("--keep-trace", action="store_true", help="keep the trace under --out")
+    ap.add_argument("--cold", action="store_true",
+                    help="compile without the autotuning results k3jax ships (by default the step "
+                         "compiles as a first train.py run does: with a new compilation cache "
+                         "seeded with them)")
     ap.add_argument("--serialize-with", metavar="FILE",
                     help="time and trace only while holding an exclusive lock on FILE: several "
                          "profiles can compile side by side and still run their steps alone")
@@ -228,17 +233,19 @@ def main(argv=None) -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
 
-    t0 = time.perf_counter()
-    compiled, state, inputs, stages = build(cfg, args.docs)
-    ready_s = time.perf_counter() - t0  # waiting for --serialize-with's lock is not counted
-    hlo = stages.pop("hlo")
-    with _exclusive(args.serialize_with), \
-            tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
-        state, first_s = run_steps(compiled, state, inputs, 1)
-        state, _ = run_steps(compiled, state, inputs, args.warmup)
-        state, seconds = run_steps(compiled, state, inputs, args.steps)
-        trace_dir = f"{args.out}/trace" if args.keep_trace else tmp
-        summary = profile(compiled, state, inputs, args.trace_steps, trace_dir, hlo)
+    with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
+        t0 = time.perf_counter()
+        if not args.cold:
+            use_compilation_cache(f"{tmp}/jax_cache")
+        compiled, state, inputs, stages = build(cfg, args.docs)
+        ready_s = time.perf_counter() - t0  # waiting for --serialize-with's lock is not counted
+        hlo = stages.pop("hlo")
+        with _exclusive(args.serialize_with):
+            state, first_s = run_steps(compiled, state, inputs, 1)
+            state, _ = run_steps(compiled, state, inputs, args.warmup)
+            state, seconds = run_steps(compiled, state, inputs, args.steps)
+            trace_dir = f"{args.out}/trace" if args.keep_trace else f"{tmp}/trace"
+            summary = profile(compiled, state, inputs, args.trace_steps, trace_dir, hlo)
     step_s = seconds / max(args.steps, 1)
     tokens = data.batch_size * data.seq_len
     mfu = mfu_fn(cfg.model, data.seq_len, jax.devices()[0].device_kind, jax.device_count())

@@ -107,14 +107,6 @@ def _record_failure(root: Path, name: str, error: str) -> None:
 
 # -- one job, in this process -------------------------------------------------------------------
 
-def use_compilation_cache(root: Path) -> None:
-    import jax
-
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path(root).resolve() / ".jax_cache")
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def _config(d: dict) -> ExperimentConfig:
     return from_dict(ExperimentConfig, d)
 
@@ -131,7 +123,9 @@ def run_job(root: str | Path, job: str, started: float | None = None) -> dict[st
     root = Path(root)
     t0 = started or time.time()
     record = read_plan(root)
-    use_compilation_cache(root)
+    from k3jax.parallel.compile_cache import use_compilation_cache
+
+    use_compilation_cache(Path(root).resolve() / ".jax_cache")
     rows = {p["name"]: p for p in record["points"]}
     names = {j: n for j, n in record["jobs"]}[job]
     group = next((g for g in record["groups"] if g["name"] == job), None)
