@@ -236,6 +236,34 @@ def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch)
     _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))
 
 
+def test_step_zero_evaluation_is_compiled_once_beside_the_step(tmp_path, caplog):
+    """The evaluation program compiles on a worker thread while the state is set up, and the
+    evaluations at step 0 and at the end run that executable: jit lowers it only once (a call
+    that missed jit's cache would lower it again), over the suite's 8 simulated devices."""
+    from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
+    from k3jax.train.loop import run
+
+    cfg = ExperimentConfig(
+        model=TINY_MODEL,
+        data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
+                        cache_dir=str(tmp_path / "data")),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0), train=TrainConfig(steps=1, log_every=1),
+        eval=EvalConfig(every=100, batches=2))
+    lines = []
+    jax.config.update("jax_log_compiles", True)  # globally: the context form is per thread
+    try:
+        with caplog.at_level("WARNING"):
+            run(cfg, tmp_path / "run", log=lines.append)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    evals = [m.split(":")[0] for m in map(str, lines) if m.startswith("[eval] step")]
+    assert evals == ["[eval] step 0", "[eval] step 1"]
+    records = [(r.threadName, r.getMessage()) for r in caplog.records]
+    lowered = [t for t, m in records if m.startswith("Compiling jit(eval_step)")]
+    compiled = [t for t, m in records if m.startswith("Finished XLA compilation of jit(eval_step)")]
+    assert len(lowered) == 1 and compiled == ["compile"], (lowered, compiled)
+
+
 def test_nonfinite_step_is_skipped_and_counted():
     """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to
     compile)."""

@@ -18,6 +18,7 @@ from k3jax.parallel.sharding import (
 from k3jax.parallel.step import (
                                         abstract_batch,
                                         batch_placement,
+                                        compile_in_background,
                                         init_sharded_state,
                                         sharded_state_shapes,
                                         sharded_step,
@@ -25,7 +26,7 @@ from k3jax.parallel.step import (
 )
 
 __all__ = ["abstract_batch", "batch_placement", "batch_sharding", "batch_shards",
-           "check_experts_fit", "constrain", "expert_axis_size", "init_sharded",
-           "init_sharded_state", "initialize_distributed", "local_batch_rows",
+           "check_experts_fit", "compile_in_background", "constrain", "expert_axis_size",
+           "init_sharded", "init_sharded_state", "initialize_distributed", "local_batch_rows",
            "logical_to_sharding", "make_global_batch", "make_mesh", "sharded_state_shapes",
            "sharded_step", "shardings_of", "under_mesh", "use_mesh", "variable_shardings"]

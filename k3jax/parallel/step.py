@@ -231,6 +231,19 @@ def sharded_step(step, state: dict, mesh: Mesh, rules, donate: bool = False) -> 
     return MeshStep(step, state, mesh, rules, donate)
 
 
+def compile_in_background(jitted, mesh: Mesh, rules, *args) -> Future:
+    """``jitted`` (a ``jax.jit`` function) traced and lowered for the (abstract) ``args`` under the
+    mesh on this thread, then compiled by XLA on a worker thread: a future of its
+    ``jax.stages.Compiled``. jit keeps what it compiled, so a later call of ``jitted`` under the
+    mesh with arguments like ``args`` runs it without compiling again."""
+    with use_mesh(mesh, rules):
+        lowered = jitted.lower(*args)
+    done: Future = Future()
+    threading.Thread(target=_settle, args=(done, lambda: done.set_result(lowered.compile()), ()),
+                     name="compile").start()
+    return done
+
+
 def under_mesh(fn: Callable, mesh: Mesh, rules) -> Callable:
     """``fn`` (e.g. a jitted evaluation step) called with the mesh and rules current."""
     def run(*args, **kwargs):

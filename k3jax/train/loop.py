@@ -87,6 +87,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     from k3jax.parallel import (
         batch_placement,
         check_experts_fit,
+        compile_in_background,
         init_sharded_state,
         make_mesh,
         sharded_state_shapes,
@@ -145,6 +146,13 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     if start < cfg.train.steps:
         first_batch = data.train(start)
         lr_args = compile_for(step_documents(cfg, first_batch), first_batch)
+    eval_jit = jax.jit(make_eval_step(K3Model(cfg.model)))
+    eval_step = under_mesh(eval_jit, mesh, rules)
+    # The evaluation at step 0 comes before the first step: its program compiles beside the
+    # step's, not after the state is set up.
+    eval_compiled = (compile_in_background(eval_jit, mesh, rules, sharded_shapes["params"],
+                                           sharded_shapes["balance"], _abstract(data.heldout[0]))
+                     if start == 0 and data.heldout else None)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
     if found is None:
@@ -159,7 +167,6 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         state = jax.device_put(state, shardings_of(sharded_shapes))  # the compiled step's layout
     writer = MetricsWriter(workdir, start, enabled=first_process)
     past = history(read_metrics(workdir), start) if start else {}
-    eval_step = under_mesh(jax.jit(make_eval_step(K3Model(cfg.model))), mesh, rules)
     place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
                          cfg.eval.batches, cfg.model.vocab_size)
@@ -192,6 +199,8 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
 
     prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
     if start == 0:
+        if eval_compiled is not None:
+            eval_compiled.result()
         evaluate(0, prog)
     mfu = _mfu_fn(cfg)
     kill_at = int(os.environ.get(KILL_ENV, "-1"))
@@ -295,6 +304,13 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
                                         description)
+
+
+def _abstract(host_batch: dict) -> dict:
+    """The step inputs of a host batch as ``jax.ShapeDtypeStruct`` (numpy arrays, as
+    :func:`~k3jax.train.evaluation.evaluate_batches` passes them: no sharding)."""
+    return {k: jax.ShapeDtypeStruct(np.shape(host_batch[k]), np.asarray(host_batch[k]).dtype)
+            for k in BATCH_KEYS}
 
 
 def _step_cache():
