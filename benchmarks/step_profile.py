@@ -3,11 +3,13 @@ runs, every kernel tied to the HLO instruction and the model code it came from.
 
 The step is built as the training loop builds it (the preset's mesh, sharded state, donated
 buffers, its micro-batches and optimiser) on random tokens (one document a row, or up to ``--docs``
-packed in a row, as a corpus gives them), and compiled as the loop compiles it:
-on a worker thread while the state is initialised. The script times the compile stages (trace,
-lower, XLA compile), the set-up beside it, the first call and ``start_to_first_step_s`` (from the
-start to the first step done), runs ``--warmup`` steps, times ``--steps`` steps (tokens/s, MFU as
-``train.py`` counts it), then traces ``--trace-steps`` more. JSON lines::
+packed in a row, as a corpus gives them), and compiled as the loop compiles it: on a worker thread
+while the state is initialised, with a new compilation cache seeded with the XLA autotuning
+results k3jax ships (as a first ``train.py`` run; ``--cold``: without them). The script times
+the compile stages (trace, lower, XLA compile), the set-up beside it, the first call and
+``start_to_first_step_s`` (from the start to the first step done), runs ``--warmup`` steps,
+times ``--steps`` steps (tokens/s, MFU as ``train.py`` counts it), then traces ``--trace-steps``
+more. JSON lines::
 
     {"bench": "step_profile", "preset", "tokens_per_s", "step_ms", "mfu", "compile_s", ...,
      "busy_ms", "gap_ms", "temp_GiB"}                  # per step; gap = device idle inside a step
