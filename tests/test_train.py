@@ -203,21 +203,29 @@ def test_packed_batch_equals_documents_one_by_one():
     assert rel_rms(alone[1], nats[4, bounds[1]:bounds[2]]) > 10 * FP32_TOL
 
 
+def _loop_config(tmp_path, steps: int, eval_batches: int):
+    """The tiny model on the text source, for runs of the loop in this process: evaluated at
+    step 0 and at the end."""
+    from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
+
+    return ExperimentConfig(
+        model=TINY_MODEL,
+        data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
+                        cache_dir=str(tmp_path / "data")),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0),
+        train=TrainConfig(steps=steps, log_every=steps),
+        eval=EvalConfig(every=100, batches=eval_batches))
+
+
 def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch):
     """With MLA's ``documents="auto"`` the loop picks each batch's attention layout on the host
     and compiles a step per layout when a batch first needs it. Here the layout is "packed" for
     batches of one document a row (on the CPU both steps are the same computation): the run
     compiles the second step when it first needs it and ends where a run with one step does."""
     import k3jax.ops.attention as attention
-    from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
     from k3jax.train.loop import run
 
-    cfg = ExperimentConfig(
-        model=TINY_MODEL,
-        data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
-                        cache_dir=str(tmp_path / "data")),
-        optim=OptimConfig(lr=1e-2, warmup_steps=0), train=TrainConfig(steps=6, log_every=6),
-        eval=EvalConfig(every=100, batches=1))
+    cfg = _loop_config(tmp_path, steps=6, eval_batches=1)
     chosen, lines = [], []
 
     def by_documents(ids):
@@ -240,15 +248,9 @@ def test_step_zero_evaluation_is_compiled_once_beside_the_step(tmp_path, caplog)
     """The evaluation program compiles on a worker thread while the state is set up, and the
     evaluations at step 0 and at the end run that executable: jit lowers it only once (a call
     that missed jit's cache would lower it again), over the suite's 8 simulated devices."""
-    from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
     from k3jax.train.loop import run
 
-    cfg = ExperimentConfig(
-        model=TINY_MODEL,
-        data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
-                        cache_dir=str(tmp_path / "data")),
-        optim=OptimConfig(lr=1e-2, warmup_steps=0), train=TrainConfig(steps=1, log_every=1),
-        eval=EvalConfig(every=100, batches=2))
+    cfg = _loop_config(tmp_path, steps=1, eval_batches=2)
     lines = []
     jax.config.update("jax_log_compiles", True)  # globally: the context form is per thread
     try:
