@@ -13,7 +13,14 @@ import jax
 import pytest
 
 from k3jax.parallel import compile_cache
-from k3jax.parallel.compile_cache import AUTOTUNE_DIR, SHIPPED, pack, seed, use_compilation_cache
+from k3jax.parallel.compile_cache import (
+    AUTOTUNE_DIR,
+    SHIPPED,
+    pack,
+    seed,
+    seed_cache_in_use,
+    use_compilation_cache,
+)
 
 
 def _files(root):
@@ -75,16 +82,19 @@ def test_pack_names_a_directory_without_results(tmp_path, capsys):
 
 @pytest.fixture()
 def restore_cache_config():
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    """The cache options as a run sets them (the suite turns the cache off), restored after."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_enable_compilation_cache")
     before = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_enable_compilation_cache", True)
     yield
     for n, v in before.items():
         jax.config.update(n, v)
 
 
 @pytest.mark.parametrize("from_env", [False, True])
-def test_use_compilation_cache_points_jax_at_a_seeded_directory(tmp_path, monkeypatch, from_env,
-                                                                restore_cache_config):
+def test_the_cache_in_use_is_seeded_before_a_step_compiles(tmp_path, monkeypatch, from_env,
+                                                           restore_cache_config):
     if from_env:
         monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
     else:
@@ -92,5 +102,14 @@ def test_use_compilation_cache_points_jax_at_a_seeded_directory(tmp_path, monkey
     cache = use_compilation_cache(tmp_path / "default")
     assert cache == (tmp_path / ("env" if from_env else "default")).resolve()
     assert jax.config.jax_compilation_cache_dir == str(cache)
+    assert not cache.exists()  # nothing written until something compiles
     shipped = sum(len(json.loads(t.read_text())["results"]) for t in SHIPPED.glob("*.json"))
+    assert seed_cache_in_use() == shipped
     assert len(list((cache / AUTOTUNE_DIR).rglob("*.pb"))) == shipped
+
+
+def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path, restore_cache_config):
+    (tmp_path / "a_file").write_text("x")
+    use_compilation_cache(tmp_path / "a_file" / ".jax_cache")
+    with pytest.warns(UserWarning, match=r"autotuning results were not copied into .*a_file"):
+        assert seed_cache_in_use() == 0

@@ -1,19 +1,19 @@
 """jax's persistent compilation cache for runs, seeded with the XLA autotuning results k3jax ships.
 
-On a GPU, XLA picks each matmul fusion's tiling by compiling and timing candidates: about 19 s of
-``k3_small``'s 51 s compile on an H200. With the persistent cache on, jax points XLA at a per-fusion
-autotuning directory inside it (``xla_gpu_per_fusion_autotune_cache_dir``): one small file per
-fusion, under a subdirectory named for the GPU model and XLA's autotuning version, named for the
-fusion's HLO. XLA reads a fusion's result from there instead of tuning it, and writes the ones it
-tunes.
+On a GPU, XLA picks each matmul fusion's tiling by compiling and timing candidates: 19-31 s of
+``k3_small``'s 50-75 s compile on an H200. With the persistent cache on, jax points XLA at a
+per-fusion autotuning directory inside it (``xla_gpu_per_fusion_autotune_cache_dir``): one small
+file per fusion, under a subdirectory named for the GPU model and XLA's autotuning version, named
+for the fusion's HLO. XLA reads a fusion's result from there instead of tuning it, and writes the
+ones it tunes.
 
-``k3jax/parallel/autotune/`` holds such results for the presets as the training loop compiles them
-(one JSON table per subdirectory, each file's bytes in base64). :func:`use_compilation_cache` copies
-the missing ones into the cache before anything compiles, so a first run on that GPU with these
-library versions skips their tuning. A fusion the tables do not have (another width, batch or
-library version, a changed model) is tuned as before; on another GPU model the subdirectory differs
-and nothing is read. The files are XLA's own format, copied byte for byte: XLA checks them as it
-checks what it wrote itself.
+``k3jax/parallel/autotune/`` holds such results for the presets as the training loop compiles
+them (one JSON table per subdirectory, each file's bytes in base64). Before it compiles a train
+step, the loop copies the ones the cache lacks into it (:func:`seed_cache_in_use`), so a first
+run on that GPU with these library versions skips their tuning. A fusion the tables do not have
+(another width, batch or library version, a changed model) is tuned as before; on another GPU
+model the subdirectory differs and nothing is read. The files are XLA's own format, copied byte
+for byte: XLA checks them as it checks what it wrote itself.
 
 Refresh the tables after a change to the presets' programs: run ``train.py`` on the GPU with an
 empty cache directory (``JAX_COMPILATION_CACHE_DIR``), then
@@ -26,6 +26,7 @@ import argparse
 import base64
 import json
 import os
+import warnings
 from pathlib import Path
 
 from k3jax.files import write_atomically
@@ -38,15 +39,30 @@ MIN_COMPILE_S = 1.0  # programs that compile faster are not worth a cache file
 
 def use_compilation_cache(default: str | Path) -> Path:
     """Turn on jax's persistent compilation cache at ``$JAX_COMPILATION_CACHE_DIR`` or
-    ``default``, seeded with the shipped autotuning results (:func:`seed`); returns the
-    directory. Call it before anything compiles."""
+    ``default``; returns the directory. Call it before anything compiles. Nothing is written
+    yet: the directory may not be usable (a mistaken workdir), which the run reports itself."""
     import jax
 
     cache = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default).resolve()
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
-    seed(cache)
     return cache
+
+
+def seed_cache_in_use() -> int:
+    """:func:`seed` jax's persistent compilation cache, when one is on; returns how many results
+    were written. A cache that cannot be written to costs the run its speed-up, not the run: a
+    warning says why."""
+    import jax
+
+    directory = jax.config.jax_compilation_cache_dir
+    if not (jax.config.jax_enable_compilation_cache and directory):
+        return 0
+    try:
+        return seed(directory)
+    except OSError as e:
+        warnings.warn(f"the shipped XLA autotuning results were not copied into {directory}: {e}")
+        return 0
 
 
 def seed(cache: str | Path, tables: str | Path = SHIPPED) -> int:

@@ -283,7 +283,8 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     loop runs it, compiling on a worker thread
     (:meth:`~k3jax.parallel.step.MeshStep.compile_async`) for the sharded ``state_shapes``
     (:func:`~k3jax.parallel.step.sharded_state_shapes`); ``axes``: the parameters' logical axis
-    names.
+    names. A compilation cache in use gets the XLA autotuning results k3jax ships first
+    (:func:`~k3jax.parallel.compile_cache.seed_cache_in_use`).
 
     Returns ``(schedule, compiling)``: the schedule's numbers, placed for the step (data, so a run
     with another learning rate or length loads this step from the compilation cache), and a future
@@ -291,7 +292,9 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     """
     from k3jax.model import K3Model
     from k3jax.parallel import abstract_batch, sharded_step
+    from k3jax.parallel.compile_cache import seed_cache_in_use
 
+    seed_cache_in_use()
     rules = cfg.mesh.rules
     model_cfg = with_documents(cfg, step_documents(cfg, host_batch)).model
     step = sharded_step(make_train_step(K3Model(model_cfg), cfg.optim, cfg.train.micro_batches,
