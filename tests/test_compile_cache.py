@@ -53,9 +53,10 @@ def test_pack_then_seed_gives_the_same_files(tmp_path):
     cache = _cache_with(tmp_path, "run", {"a.pb": b"\x00\x01 first", "b.pb": b"second"})
     [table] = pack(cache, tmp_path / "tables", device="GPU X")
     assert json.loads(table.read_text())["device"] == "GPU X"
-    assert seed(tmp_path / "new", tmp_path / "tables") == 2
+    assert seed(tmp_path / "other", "GPU Y", tmp_path / "tables") == 0  # tuned on another GPU
+    assert seed(tmp_path / "new", "GPU X", tmp_path / "tables") == 2
     assert _files(tmp_path / "new") == _files(cache)
-    assert seed(tmp_path / "new", tmp_path / "tables") == 0  # nothing missing any more
+    assert seed(tmp_path / "new", "GPU X", tmp_path / "tables") == 0  # nothing missing any more
 
 
 def test_pack_adds_to_a_table_and_seed_keeps_local_results(tmp_path):
@@ -69,7 +70,7 @@ def test_pack_adds_to_a_table_and_seed_keeps_local_results(tmp_path):
         "a.pb": b"A", "b.pb": b"new", "c.pb": b"C"}
 
     local = _cache_with(tmp_path, "local", {"a.pb": b"this machine's"})
-    assert seed(local, tables) == 2
+    assert seed(local, tables=tables) == 2
     assert (local / AUTOTUNE_DIR / "gpu0" / "a.pb").read_bytes() == b"this machine's"
 
 
@@ -92,9 +93,15 @@ def restore_cache_config():
         jax.config.update(n, v)
 
 
+def _shipped(device: str) -> int:
+    """How many results the shipped tables hold for ``device``."""
+    records = [json.loads(t.read_text()) for t in SHIPPED.glob("*.json")]
+    return sum(len(r["results"]) for r in records if r["device"] == device)
+
+
 @pytest.mark.parametrize("from_env", [False, True])
-def test_the_cache_in_use_is_seeded_before_a_step_compiles(tmp_path, monkeypatch, from_env,
-                                                           restore_cache_config):
+def test_the_cache_in_use_is_seeded_on_a_gpu_with_its_tables(tmp_path, monkeypatch, from_env,
+                                                             restore_cache_config):
     if from_env:
         monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
     else:
@@ -103,13 +110,17 @@ def test_the_cache_in_use_is_seeded_before_a_step_compiles(tmp_path, monkeypatch
     assert cache == (tmp_path / ("env" if from_env else "default")).resolve()
     assert jax.config.jax_compilation_cache_dir == str(cache)
     assert not cache.exists()  # nothing written until something compiles
-    shipped = sum(len(json.loads(t.read_text())["results"]) for t in SHIPPED.glob("*.json"))
-    assert seed_cache_in_use() == shipped
-    assert len(list((cache / AUTOTUNE_DIR).rglob("*.pb"))) == shipped
+    assert seed_cache_in_use() == 0  # no table was tuned on this CPU
+    assert not cache.exists()
+    monkeypatch.setattr(compile_cache, "_device_kind", lambda: "NVIDIA H200")
+    assert seed_cache_in_use() == _shipped("NVIDIA H200") > 0
+    assert len(list((cache / AUTOTUNE_DIR).rglob("*.pb"))) == _shipped("NVIDIA H200")
 
 
-def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path, restore_cache_config):
+def test_an_unwritable_cache_costs_a_warning_not_the_run(tmp_path, monkeypatch,
+                                                         restore_cache_config):
     (tmp_path / "a_file").write_text("x")
     use_compilation_cache(tmp_path / "a_file" / ".jax_cache")
+    monkeypatch.setattr(compile_cache, "_device_kind", lambda: "NVIDIA H200")
     with pytest.warns(UserWarning, match=r"autotuning results were not copied into .*a_file"):
         assert seed_cache_in_use() == 0

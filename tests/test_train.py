@@ -251,13 +251,13 @@ def test_step_zero_evaluation_is_compiled_once_beside_the_step(tmp_path, caplog)
     from k3jax.train.loop import run
 
     cfg = _loop_config(tmp_path, steps=1, eval_batches=2)
-    lines = []
+    lines, logging_before = [], jax.config.jax_log_compiles
     jax.config.update("jax_log_compiles", True)  # globally: the context form is per thread
     try:
         with caplog.at_level("WARNING"):
             run(cfg, tmp_path / "run", log=lines.append)
     finally:
-        jax.config.update("jax_log_compiles", False)
+        jax.config.update("jax_log_compiles", logging_before)
     evals = [m.split(":")[0] for m in map(str, lines) if m.startswith("[eval] step")]
     assert evals == ["[eval] step 0", "[eval] step 1"]
     records = [(r.threadName, r.getMessage()) for r in caplog.records]

@@ -9,11 +9,11 @@ ones it tunes.
 
 ``k3jax/parallel/autotune/`` holds such results for the presets as the training loop compiles
 them (one JSON table per subdirectory, each file's bytes in base64). Before it compiles a train
-step, the loop copies the ones the cache lacks into it (:func:`seed_cache_in_use`), so a first
-run on that GPU with these library versions skips their tuning. A fusion the tables do not have
-(another width, batch or library version, a changed model) is tuned as before; on another GPU
-model the subdirectory differs and nothing is read. The files are XLA's own format, copied byte
-for byte: XLA checks them as it checks what it wrote itself.
+step, the loop copies the ones tuned on its kind of GPU that the cache lacks into it
+(:func:`seed_cache_in_use`), so a first run on that GPU with these library versions skips their
+tuning. A fusion the tables do not have (another width, batch or library version, a changed
+model) is tuned as before; on another device nothing is copied. The files are XLA's own format,
+copied byte for byte: XLA checks them as it checks what it wrote itself.
 
 Refresh the tables after a change to the presets' programs: run ``train.py`` on the GPU with an
 empty cache directory (``JAX_COMPILATION_CACHE_DIR``), then
@@ -50,23 +50,25 @@ def use_compilation_cache(default: str | Path) -> Path:
 
 
 def seed_cache_in_use() -> int:
-    """:func:`seed` jax's persistent compilation cache, when one is on; returns how many results
-    were written. A cache that cannot be written to costs the run its speed-up, not the run: a
-    warning says why."""
+    """:func:`seed` jax's persistent compilation cache, when one is on, with the tables tuned on
+    this process's kind of device (none on a CPU, where XLA tunes nothing); returns how many
+    results were written. A cache that cannot be written to costs the run its speed-up, not the
+    run: a warning says why."""
     import jax
 
     directory = jax.config.jax_compilation_cache_dir
     if not (jax.config.jax_enable_compilation_cache and directory):
         return 0
     try:
-        return seed(directory)
+        return seed(directory, _device_kind())
     except OSError as e:
         warnings.warn(f"the shipped XLA autotuning results were not copied into {directory}: {e}")
         return 0
 
 
-def seed(cache: str | Path, tables: str | Path = SHIPPED) -> int:
-    """Write every autotuning result of ``tables`` that ``cache`` lacks; returns how many.
+def seed(cache: str | Path, device: str | None = None, tables: str | Path = SHIPPED) -> int:
+    """Write every autotuning result of ``tables`` (those tuned on ``device``, a
+    ``device_kind``; None: all) that ``cache`` lacks; returns how many.
 
     Results already in ``cache`` are kept: they come from this machine. Each file is written
     atomically, so processes seeding one cache at once never leave a partial file.
@@ -74,6 +76,8 @@ def seed(cache: str | Path, tables: str | Path = SHIPPED) -> int:
     written = 0
     for table in sorted(Path(tables).glob("*.json")):
         record = json.loads(table.read_text())
+        if device is not None and record["device"] != device:
+            continue
         folder = Path(cache) / AUTOTUNE_DIR / record["subdirectory"]
         for name, data in record["results"].items():
             path = folder / name
@@ -106,6 +110,14 @@ def pack(cache: str | Path, tables: str | Path = SHIPPED, device: str | None = N
     return written
 
 
+def _device_kind() -> str:
+    """The ``device_kind`` of this process's first device (starts jax's backend: call it once
+    ``jax.distributed`` is set up)."""
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -119,11 +131,8 @@ def main(argv=None) -> None:
     ap.add_argument("cache", help="the run's compilation cache directory")
     ap.add_argument("--tables", default=str(SHIPPED), help="where the tables are")
     args = ap.parse_args(argv)
-    import jax
-
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
     try:
-        tables = pack(args.cache, args.tables, gpus[0].device_kind if gpus else None)
+        tables = pack(args.cache, args.tables, _device_kind())
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
     for table in tables:
