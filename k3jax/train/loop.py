@@ -312,8 +312,7 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
 def _abstract(host_batch: dict) -> dict:
     """The step inputs of a host batch as ``jax.ShapeDtypeStruct`` (numpy arrays, as
     :func:`~k3jax.train.evaluation.evaluate_batches` passes them: no sharding)."""
-    return {k: jax.ShapeDtypeStruct(np.shape(host_batch[k]), np.asarray(host_batch[k]).dtype)
-            for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct(host_batch[k].shape, host_batch[k].dtype) for k in BATCH_KEYS}
 
 
 def _step_cache():
