@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
 from k3jax.parallel.executable_cache import ExecutableCache, program_key
+from k3jax.parallel.kernel_precompile import compile_kernels_async
 from k3jax.parallel.mesh import use_mesh
 from k3jax.parallel.sharding import (
     batch_sharding,
@@ -123,7 +124,8 @@ class MeshStep:
         may change next, e.g. while initialising), then compiled by XLA on two worker threads, one
         per program, while the caller sets up the state. The gradient program, the longer to
         compile, starts compiling as soon as it is lowered, while the update is traced and
-        lowered.
+        lowered. Each program's Mosaic GPU kernels compile on a thread of their own meanwhile
+        (:mod:`~k3jax.parallel.kernel_precompile`).
 
         With a ``cache``, the programs are stored there once compiled, under a key made of
         ``description`` (everything the step is built from besides the source: its configs), the
@@ -154,6 +156,7 @@ class MeshStep:
         def compile_each(lowered):
             if not started:
                 started.append(time.perf_counter())
+            compile_kernels_async(lowered)
             futures.append(pool.submit(jax.stages.Lowered.compile, lowered))
 
         try:
@@ -233,11 +236,13 @@ def sharded_step(step, state: dict, mesh: Mesh, rules, donate: bool = False) -> 
 
 def compile_in_background(jitted, mesh: Mesh, rules, *args) -> Future:
     """``jitted`` (a ``jax.jit`` function) traced and lowered for the (abstract) ``args`` under the
-    mesh on this thread, then compiled by XLA on a worker thread: a future of its
-    ``jax.stages.Compiled``. jit keeps what it compiled, so a later call of ``jitted`` under the
-    mesh with arguments like ``args`` runs it without compiling again."""
+    mesh on this thread, then compiled by XLA on a worker thread (its Mosaic GPU kernels on another,
+    :mod:`~k3jax.parallel.kernel_precompile`): a future of its ``jax.stages.Compiled``. jit keeps
+    what it compiled, so a later call of ``jitted`` under the mesh with arguments like ``args``
+    runs it without compiling again."""
     with use_mesh(mesh, rules):
         lowered = jitted.lower(*args)
+    compile_kernels_async(lowered)
     done: Future = Future()
     threading.Thread(target=_settle, args=(done, lambda: done.set_result(lowered.compile()), ()),
                      name="compile").start()
