@@ -49,9 +49,9 @@ def get_config():
                         max_doc_bytes=65536),
         optim=OptimConfig(name="muon", lr=3e-3, schedule="wsd", warmup_steps=200,
                           decay_fraction=0.2, weight_decay=0.1, clip_norm=1.0),
-        # 32 x 2048 tokens in 2 micro-batches (31 GiB peak on an H200): the step is 5% faster than
-        # in 4 (17 GiB) and 2% faster than the whole batch at once (60 GiB; docs/benchmarks.md).
-        train=TrainConfig(steps=3000, log_every=10, micro_batches=2),
+        # The whole 32 x 2048 batch at once (57 GiB peak on an H200): the step is 4% faster than in
+        # 2 micro-batches (29 GiB), which were 5% faster than 4 (17 GiB; docs/benchmarks.md).
+        train=TrainConfig(steps=3000, log_every=10, micro_batches=1),
         checkpoint=CheckpointConfig(every=500, keep=3),
         eval=EvalConfig(every=250, batches=16, tasks=("mqar",)),
     )
