@@ -67,6 +67,25 @@ def test_a_program_without_mosaic_calls_has_no_kernels_module():
     assert kernel_calls(program) == [] and kernels_module_text(program) is None
 
 
+@pytest.mark.parametrize("config, ahead", [
+    ("uses_xla_collective_metadata = false", True),
+    ("uses_xla_collective_metadata = true", False),
+    ('uses_xla_collective_metadata = false, xla_replica_ids = "0,1"', False)])
+def test_kernels_that_talk_to_other_devices_are_left_to_xla(config, ahead):
+    """A kernel with collective metadata needs its devices' program around it: not copied."""
+    text = f"""
+    module @m {{
+      func.func public @main(%x: tensor<8xf32>) -> tensor<8xf32> {{
+        %y = stablehlo.custom_call @{kernel_precompile.MOSAIC_GPU_TARGET}(%x) {{
+          mhlo.backend_config = {{kernel_hash = "h", module = "", {config}}}}}
+          : (tensor<8xf32>) -> tensor<8xf32>
+        return %y : tensor<8xf32>
+      }}
+    }}"""
+    with mlir.make_ir_context():
+        assert len(kernel_calls(ir.Module.parse(text))) == int(ahead)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's case")
 def test_nothing_is_compiled_ahead_without_a_gpu(monkeypatch):
     monkeypatch.setattr(kernel_precompile, "kernels_module_text",

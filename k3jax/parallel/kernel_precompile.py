@@ -33,14 +33,16 @@ _DROPPED_ATTRIBUTES = ("mhlo.sharding",)
 
 
 def kernel_calls(module: ir.Module) -> list[ir.Operation]:
-    """The Mosaic GPU custom calls of ``module`` (a lowered program), in program order. Each call
+    """The Mosaic GPU custom calls of ``module`` (a lowered program) that run on one device, in
+    program order (a kernel that talks to other devices needs their program around it). Each call
     site is a kernel of its own (jax names every lowered kernel with a counter, which enters its
     hash); a function lowered once and called many times, as flax's lifted ``jit`` makes each kind
     of layer, holds one call."""
     calls = []
 
     def visit(op: ir.Operation):
-        if op.name == "stablehlo.custom_call" and _target(op) == MOSAIC_GPU_TARGET:
+        if (op.name == "stablehlo.custom_call" and _target(op) == MOSAIC_GPU_TARGET
+                and not _collective(op)):
             calls.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -120,6 +122,13 @@ def compile_kernels_async(lowered: jax.stages.Lowered) -> Future | None:
 
 def _target(op: ir.Operation) -> str:
     return ir.StringAttr(op.attributes["call_target_name"]).value
+
+
+def _collective(op: ir.Operation) -> bool:
+    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+    uses = "uses_xla_collective_metadata" in config and ir.BoolAttr(
+        config["uses_xla_collective_metadata"]).value
+    return uses or "xla_replica_ids" in config
 
 
 def _attributes(op: ir.Operation) -> dict[str, ir.Attribute]:
