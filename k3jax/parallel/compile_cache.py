@@ -79,12 +79,12 @@ def seed(cache: str | Path, device: str | None = None, tables: str | Path = SHIP
         if device is not None and record["device"] != device:
             continue
         folder = Path(cache) / AUTOTUNE_DIR / record["subdirectory"]
-        for name, data in record["results"].items():
-            path = folder / name
-            if not path.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                write_atomically(path, base64.b64decode(data))
-                written += 1
+        missing = [name for name in record["results"] if not (folder / name).exists()]
+        if missing:
+            folder.mkdir(parents=True, exist_ok=True)
+        for name in missing:
+            write_atomically(folder / name, base64.b64decode(record["results"][name]))
+        written += len(missing)
     return written
 
 

@@ -132,5 +132,4 @@ def _collective(op: ir.Operation) -> bool:
 
 
 def _attributes(op: ir.Operation) -> dict[str, ir.Attribute]:
-    names = [a if isinstance(a, str) else a.name for a in op.attributes]
-    return {n: op.attributes[n] for n in names if n not in _DROPPED_ATTRIBUTES}
+    return {n: op.attributes[n] for n in op.attributes if n not in _DROPPED_ATTRIBUTES}
