@@ -5,6 +5,7 @@ The programs here are compiled and loaded in one process; ``train.py`` uses the 
 only (:func:`~k3jax.parallel.executable_cache.usable`).
 """
 
+import time
 import warnings
 
 import jax
@@ -124,3 +125,19 @@ def test_the_gradient_program_is_handed_to_its_compile_before_the_update_is_trac
     reference = toy["compile"](None).run(*toy["args"])
     for a, b in zip(jax.tree.leaves(outputs), jax.tree.leaves(reference)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_step_is_stored_once_the_first_step_is_done(toy, tmp_path):
+    """With ``store_after``, the compiled step is handed out at once and written only when that
+    future is done (serialising holds the interpreter lock, which the first step needs)."""
+    import concurrent.futures
+
+    gate = concurrent.futures.Future()
+    step = MeshStep(least_squares_step(), toy["abstract"][0], toy["mesh"], MeshConfig().rules)
+    compiled = step.compile_async(*toy["abstract"], cache=ExecutableCache(tmp_path),
+                                  description="toy", store_after=gate).result()
+    compiled.run(*toy["args"])
+    time.sleep(0.5)
+    assert not compiled.stored.done() and not list(tmp_path.glob("*.executable"))
+    gate.set_result(None)
+    assert compiled.stored.result(timeout=60) in list(tmp_path.glob("*.executable"))

@@ -166,6 +166,31 @@ def test_the_update_donates_the_state_alone_and_jax_warns_of_nothing():
     assert rel_rms(expected, new["params"]["w"]) <= FP32_TOL  # math §10: fp32, another order
 
 
+
+def test_a_background_compile_waits_for_the_program_it_comes_after(monkeypatch):
+    """``compile_in_background(..., after=f)`` lowers at once but compiles (XLA and the Mosaic
+    kernels) only once ``f`` is done, whatever its outcome; jit then runs what it compiled."""
+    import concurrent.futures
+    import threading
+
+    import jax.numpy as jnp
+
+    from k3jax.parallel import step as parallel_step
+
+    cfg = MeshConfig()
+    mesh = kp.make_mesh(cfg)
+    started = threading.Event()
+    monkeypatch.setattr(parallel_step, "compile_kernels_async", lambda lowered: started.set())
+    gate = concurrent.futures.Future()
+    compiling = parallel_step.compile_in_background(
+        jax.jit(jnp.tanh), mesh, cfg.rules, jax.ShapeDtypeStruct((8, 4), jnp.float32), after=gate)
+    assert not started.wait(0.5) and not compiling.done()
+    gate.set_exception(RuntimeError("the earlier compile failed"))  # its waiter's concern
+    compiled = compiling.result(timeout=60)
+    assert started.is_set()
+    x = np.linspace(-2, 2, 32, dtype=np.float32).reshape(8, 4)
+    assert rel_rms(np.tanh(x), np.asarray(compiled(x))) <= FP32_TOL  # math §10: fp32
+
 # -- sharded initialisation ----------------------------------------------------------------------
 
 def test_init_sharded_layout_and_memory():

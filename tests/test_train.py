@@ -244,8 +244,8 @@ def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch)
     _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))
 
 
-def test_step_zero_evaluation_is_compiled_once_beside_the_step(tmp_path, caplog):
-    """The evaluation program compiles on a worker thread while the state is set up, and the
+def test_step_zero_evaluation_is_compiled_once_in_the_background(tmp_path, caplog):
+    """The evaluation program compiles on a worker thread once the first step is done, and the
     evaluations at step 0 and at the end run that executable: jit lowers it only once (a call
     that missed jit's cache would lower it again), over the suite's 8 simulated devices."""
     from k3jax.train.loop import run
@@ -265,6 +265,48 @@ def test_step_zero_evaluation_is_compiled_once_beside_the_step(tmp_path, caplog)
     compiled = [t for t, m in records if m.startswith("Finished XLA compilation of jit(eval_step)")]
     assert len(lowered) == 1 and compiled == ["compile"], (lowered, compiled)
 
+
+
+def test_step_zero_evaluation_runs_the_initial_variables_whenever_it_is_compiled(tmp_path,
+                                                                                  monkeypatch):
+    """The first steps do not wait for the step-0 evaluation's compile: it runs when its program
+    is ready (here held back for 0 or 2 steps), on a copy of the initial variables (the steps
+    donate the state), and the evaluations stay in step order."""
+    import k3jax.parallel as parallel
+    from k3jax.train.loop import run
+
+    background = parallel.compile_in_background
+
+    def held_back(steps):
+        def compile_in_background(*args, **kwargs):
+            future, asked = background(*args, **kwargs), []
+
+            class Held:  # done() says no for the first ``steps`` step ends
+                def done(self):
+                    asked.append(True)
+                    return len(asked) > steps and future.done()
+
+                def result(self):
+                    return future.result()
+            return Held()
+        return compile_in_background
+
+    cfg = _loop_config(tmp_path, steps=4, eval_batches=1)
+    zero, first = {}, {}
+    for steps in (0, 2):
+        monkeypatch.setattr(parallel, "compile_in_background", held_back(steps))
+        lines = []
+        run(cfg, tmp_path / f"held{steps}", log=lines.append)
+        first[steps] = next(m for m in map(str, lines)
+                            if m.startswith(("[eval] step 0", "[compile] first train step")))
+        records = [json.loads(x) for x in (tmp_path / f"held{steps}" / "metrics.jsonl")
+                   .read_text().splitlines()]
+        evals = [r for r in records if r["kind"] == "eval"]
+        assert [r["step"] for r in evals] == [0, 4]
+        zero[steps] = evals[0]["loss"]
+    assert first[2].startswith("[compile]"), first  # the first step did not wait for it
+    # Evaluated after one step or after three, the step-0 loss is the initial variables' loss.
+    assert zero[0] == zero[2], zero
 
 def test_nonfinite_step_is_skipped_and_counted():
     """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to

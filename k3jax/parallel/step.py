@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, NamedTuple
 
 import jax
@@ -117,7 +117,7 @@ class MeshStep:
         return programs, seconds
 
     def compile_async(self, state, batch, data, cache: ExecutableCache | None = None,
-                      description: object = None) -> Future:
+                      description: object = None, store_after: Future | None = None) -> Future:
         """The step compiled for these (abstract) arguments: a future of :class:`CompiledStep`.
 
         Traced and lowered on this thread (lowering reads jax's global config, which the caller
@@ -134,7 +134,9 @@ class MeshStep:
         they are loaded on a worker thread instead, with nothing traced. A stored file that does
         not load is traced, lowered and compiled again on that worker, so with jax's options as
         they are then (the sharded initialisation may have switched the GPU's threefry lowering
-        on meanwhile, which gives the same bits), and replaced.
+        on meanwhile, which gives the same bits), and replaced. Storing waits for ``store_after``
+        when given (the first step): serialising the programs holds the interpreter lock for
+        seconds (``k3_small``'s first step came 7 s later on an H200 while it did).
         """
         done: Future = Future()
         args = (state, batch, data)
@@ -142,7 +144,8 @@ class MeshStep:
         if cache is not None and cache.has(key):
             work, work_args = self._load, (cache, key, args, done)
         else:
-            work, work_args = self._finish, (self._start_compiles(args), cache, key, done)
+            work, work_args = self._finish, (self._start_compiles(args), cache, key, done,
+                                             store_after)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
@@ -165,7 +168,7 @@ class MeshStep:
             pool.shutdown(wait=False)  # the workers finish what they were given
         return futures, seconds, started[0]
 
-    def _finish(self, compiles, cache, key, done: Future) -> None:
+    def _finish(self, compiles, cache, key, done: Future, store_after: Future | None) -> None:
         futures, seconds, t0 = compiles
         parts = tuple(f.result() for f in futures)
         stored: Future = Future()
@@ -174,6 +177,8 @@ class MeshStep:
         # Written after the result is out: the first step does not wait for the write.
         path = None
         if cache is not None:
+            if store_after is not None:
+                wait([store_after])
             try:
                 path = cache.store(key, parts)
             except Exception as e:  # noqa: BLE001 - a step not stored is only compiled again
@@ -186,7 +191,7 @@ class MeshStep:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args), cache, key, done)
+            return self._finish(self._start_compiles(args), cache, key, done, None)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
@@ -234,18 +239,26 @@ def sharded_step(step, state: dict, mesh: Mesh, rules, donate: bool = False) -> 
     return MeshStep(step, state, mesh, rules, donate)
 
 
-def compile_in_background(jitted, mesh: Mesh, rules, *args) -> Future:
+def compile_in_background(jitted, mesh: Mesh, rules, *args, after: Future | None = None) -> Future:
     """``jitted`` (a ``jax.jit`` function) traced and lowered for the (abstract) ``args`` under the
     mesh on this thread, then compiled by XLA on a worker thread (its Mosaic GPU kernels on another,
-    :mod:`~k3jax.parallel.kernel_precompile`): a future of its ``jax.stages.Compiled``. jit keeps
-    what it compiled, so a later call of ``jitted`` under the mesh with arguments like ``args``
-    runs it without compiling again."""
+    :mod:`~k3jax.parallel.kernel_precompile`) once ``after``, when given, is done: a future of its
+    ``jax.stages.Compiled``. jit keeps what it compiled, so a later call of ``jitted`` under the
+    mesh with arguments like ``args`` runs it without compiling again.
+
+    ``after`` orders compiles that would otherwise share the host's cores and jaxlib's one lock for
+    Mosaic GPU kernels: a program needed later waits for one needed sooner."""
     with use_mesh(mesh, rules):
         lowered = jitted.lower(*args)
-    compile_kernels_async(lowered)
+
+    def work():
+        if after is not None:
+            wait([after])  # its outcome is its waiter's business, not this compile's
+        compile_kernels_async(lowered)
+        done.set_result(lowered.compile())
+
     done: Future = Future()
-    threading.Thread(target=_settle, args=(done, lambda: done.set_result(lowered.compile()), ()),
-                     name="compile").start()
+    threading.Thread(target=_settle, args=(done, work, ()), name="compile").start()
     return done
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,19 +70,24 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     log = RunLog(log or (lambda msg: tqdm.write(str(msg), file=sys.stderr)))
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
     lock = lock_run(workdir)
+    # Work held back until the first step is done (background compiles and writes wait for it):
+    # released here too, so that nothing waits for a run that failed before its first step.
+    first_step = Future()
     try:
         log.open(workdir / (LOG_FILE if jax.process_index() == 0
                             else f"train.process{jax.process_index()}.log"))
-        return _run_locked(cfg, workdir, data, log)
+        return _run_locked(cfg, workdir, data, log, first_step)
     except ConfigError as e:
         log.record(f"error: {e}")  # the caller prints it; the log file keeps it too
         raise
     finally:
+        if not first_step.done():
+            first_step.set_result(None)
         log.close()
         lock.release()
 
 
-def _run_locked(cfg, workdir: Path, data, log) -> dict:
+def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
     t_start = time.time()
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
@@ -140,7 +146,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     def compile_for(documents: str, host_batch: dict):
         """Start compiling the step of this layout; returns the schedule's placed numbers."""
         schedule, compiled_steps[documents] = compile_step_async(
-            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch)
+            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch, first_step)
         return schedule
 
     if start < cfg.train.steps:
@@ -148,10 +154,13 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         lr_args = compile_for(step_documents(cfg, first_batch), first_batch)
     eval_jit = jax.jit(make_eval_step(K3Model(cfg.model)))
     eval_step = under_mesh(eval_jit, mesh, rules)
-    # The evaluation at step 0 comes before the first step: its program compiles beside the
-    # step's, not after the state is set up.
+    # The evaluation at step 0 does not hold up the first step: its program compiles once that
+    # step is done (beside the step's compile, the two shared the host and jaxlib's one lock for
+    # Mosaic GPU kernels, and the step's took seconds longer), and it evaluates a copy of step
+    # 0's variables (below).
     eval_compiled = (compile_in_background(eval_jit, mesh, rules, sharded_shapes["params"],
-                                           sharded_shapes["balance"], _abstract(data.heldout[0]))
+                                           sharded_shapes["balance"], _abstract(data.heldout[0]),
+                                           after=first_step)
                      if start == 0 and data.heldout else None)
     log(f"[model] {_count(params):,} parameters; {cfg.model.num_layers} layers "
         f"{''.join(t[0].upper() for t in cfg.model.layer_types)}; optimiser {cfg.optim.name}")
@@ -171,20 +180,25 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
                          cfg.eval.batches, cfg.model.vocab_size)
 
-    def evaluate(step: int, prog: Progress) -> None:
-        result = evaluate_batches(eval_step, state["params"], state["balance"], data.heldout)
+    def evaluate(step: int, variables: tuple, prog: Progress) -> None:
+        """Evaluate ``variables`` (params, balance) as the variables of ``step``; the time it takes
+        is not the throughput window's."""
+        jax.block_until_ready(state["step"])  # the steps dispatched before it are the window's
+        t0 = time.time()
+        result = evaluate_batches(eval_step, *variables, data.heldout)
         if not data.has_bytes:
             result.pop("bpb")
         record = {**{k: result[k] for k in EVAL_KEYS if k in result},
                   **flatten(result["diag"], "diag/")}
         for name, batches in tasks.items():
-            r = evaluate_batches(eval_step, state["params"], state["balance"], batches)
+            r = evaluate_batches(eval_step, *variables, batches)
             record[f"{name}/accuracy"], record[f"{name}/loss"] = r["accuracy"], r["loss"]
         writer.write(step, "eval", record)
         prog.first_eval = prog.first_eval or {"step": step, **result}
         prog.last_eval = {"step": step, **result}
         extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in tasks)
         log(f"[eval] step {step}: held-out {_eval_words(result)}{extra}")
+        prog.window_t += time.time() - t0
 
     def step_for(step: int, host_batch: dict):
         """``(compiled step, compiled just now)`` for this batch's attention layout: a layout no
@@ -198,10 +212,15 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
         return compiled_steps[documents].result(), fresh
 
     prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
+    # Step 0's variables, kept (a copy: the steps donate the state) until their evaluation runs:
+    # as soon as its program is compiled, at the latest before the first checkpoint or the next
+    # evaluation, so that evaluations stay in step order.
+    initial = None
     if start == 0:
-        if eval_compiled is not None:
-            eval_compiled.result()
-        evaluate(0, prog)
+        if eval_compiled is None:
+            evaluate(0, (state["params"], state["balance"]), prog)
+        else:
+            initial = jax.device_put((state["params"], state["balance"]), may_alias=False)
     mfu = _mfu_fn(cfg)
     kill_at = int(os.environ.get(KILL_ENV, "-1"))
     bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
@@ -228,6 +247,7 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
                 log(f"[compile] first train step done {since_start:.1f} s after the start; "
                     f"{_compile_words(compiled.seconds)} while the state was set up, then the "
                     f"step waited {first:.1f} s")
+                first_step.set_result(None)
             elif fresh:  # its compile is not throughput: the window starts after it
                 jax.block_until_ready(metrics["loss"])
                 prog.window_t, prog.window_steps = time.time(), 0
@@ -238,14 +258,21 @@ def _run_locked(cfg, workdir: Path, data, log) -> dict:
                 nbytes = float(host_batch["nbytes"]) if data.has_bytes else 0.0
                 _log_train(writer, bar, prog, done, metrics, nbytes, mfu)
             bar.update(1)
-            if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+            saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
+            # Processes run the evaluation together: with several, only where all know it is due.
+            if initial is not None and (saving or done % cfg.eval.every == 0 or (
+                    jax.process_count() == 1 and eval_compiled.done())):
+                eval_compiled.result()
+                evaluate(0, initial, prog)
+                initial = None
+            if saving:
                 ckpt.save(done, state, _meta(config, done, cfg))
             else:
                 ckpt.poll()
             if done == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if done % cfg.eval.every == 0 or done == cfg.train.steps:
-                evaluate(done, prog)
+                evaluate(done, (state["params"], state["balance"]), prog)
         if pending is not None:
             _check_finite(pending, cfg.train.max_bad_steps, ckpt)
     finally:
@@ -277,7 +304,8 @@ def with_documents(cfg, documents: str):
     return dataclasses.replace(cfg, model=cfg.model.replace(mla=mla))
 
 
-def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: dict):
+def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: dict,
+                       store_after: Future | None = None):
     """The train step of ``cfg`` over ``mesh`` for batches like ``host_batch`` (extra keys
     ignored; its MLA layers take the attention layout :func:`step_documents` picks for it), as the
     loop runs it, compiling on a worker thread
@@ -288,7 +316,8 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
 
     Returns ``(schedule, compiling)``: the schedule's numbers, placed for the step (data, so a run
     with another learning rate or length loads this step from the compilation cache), and a future
-    of :class:`~k3jax.parallel.step.CompiledStep`.
+    of :class:`~k3jax.parallel.step.CompiledStep`. With the executable cache on, the step is
+    written there once ``store_after`` (when given) is done.
     """
     from k3jax.model import K3Model
     from k3jax.parallel import abstract_batch, sharded_step
@@ -306,7 +335,7 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     # arguments, the mesh and the environment (k3jax.parallel.executable_cache).
     description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
-                                        description)
+                                        description, store_after)
 
 
 def _abstract(host_batch: dict) -> dict:
