@@ -220,7 +220,7 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
         if eval_compiled is None:
             evaluate(0, (state["params"], state["balance"]), prog)
         else:
-            initial = jax.device_put((state["params"], state["balance"]), may_alias=False)
+            initial = _copy((state["params"], state["balance"]))
     mfu = _mfu_fn(cfg)
     kill_at = int(os.environ.get(KILL_ENV, "-1"))
     bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
@@ -336,6 +336,12 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
                                         description, store_after)
+
+
+def _copy(tree):
+    """A copy of ``tree``'s arrays in their shardings (with several processes, each copies its
+    own shards: without the shardings, jax takes the arrays for one device's)."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
 
 
 def _abstract(host_batch: dict) -> dict:
