@@ -251,6 +251,7 @@ def compile_in_background(jitted, mesh: Mesh, rules, *args, after: Future | None
     Mosaic GPU kernels: a program needed later waits for one needed sooner."""
     with use_mesh(mesh, rules):
         lowered = jitted.lower(*args)
+    done: Future = Future()
 
     def work():
         if after is not None:
@@ -258,7 +259,6 @@ def compile_in_background(jitted, mesh: Mesh, rules, *args, after: Future | None
         compile_kernels_async(lowered)
         done.set_result(lowered.compile())
 
-    done: Future = Future()
     threading.Thread(target=_settle, args=(done, work, ()), name="compile").start()
     return done
 

@@ -217,10 +217,13 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
     # evaluation, so that evaluations stay in step order.
     initial = None
     if start == 0:
+        at_start = (state["params"], state["balance"])
         if eval_compiled is None:
-            evaluate(0, (state["params"], state["balance"]), prog)
+            evaluate(0, at_start, prog)
         else:
-            initial = _copy((state["params"], state["balance"]))
+            # Into their own shardings: without a target, jax takes arrays over several
+            # processes for one device's.
+            initial = jax.device_put(at_start, shardings_of(at_start), may_alias=False)
     mfu = _mfu_fn(cfg)
     kill_at = int(os.environ.get(KILL_ENV, "-1"))
     bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True,
@@ -336,12 +339,6 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
                                         description, store_after)
-
-
-def _copy(tree):
-    """A copy of ``tree``'s arrays in their shardings (with several processes, each copies its
-    own shards: without the shardings, jax takes the arrays for one device's)."""
-    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
 
 
 def _abstract(host_batch: dict) -> dict:
