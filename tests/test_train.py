@@ -266,11 +266,10 @@ def test_step_zero_evaluation_is_compiled_once_in_the_background(tmp_path, caplo
     assert len(lowered) == 1 and compiled == ["compile"], (lowered, compiled)
 
 
-
 def test_step_zero_evaluation_runs_the_initial_variables_whenever_it_is_compiled(tmp_path,
                                                                                   monkeypatch):
     """The first steps do not wait for the step-0 evaluation's compile: it runs when its program
-    is ready (here held back for 0 or 2 steps), on a copy of the initial variables (the steps
+    is ready (here after step 1 or step 3 exactly), on a copy of the initial variables (the steps
     donate the state), and the evaluations stay in step order."""
     import k3jax.parallel as parallel
     from k3jax.train.loop import run
@@ -281,10 +280,10 @@ def test_step_zero_evaluation_runs_the_initial_variables_whenever_it_is_compiled
         def compile_in_background(*args, **kwargs):
             future, asked = background(*args, **kwargs), []
 
-            class Held:  # done() says no for the first ``steps`` step ends
+            class Held:  # done() says no at the first ``steps`` step ends, then yes
                 def done(self):
                     asked.append(True)
-                    return len(asked) > steps and future.done()
+                    return len(asked) > steps and future.result() is not None
 
                 def result(self):
                     return future.result()
@@ -307,6 +306,7 @@ def test_step_zero_evaluation_runs_the_initial_variables_whenever_it_is_compiled
     assert first[2].startswith("[compile]"), first  # the first step did not wait for it
     # Evaluated after one step or after three, the step-0 loss is the initial variables' loss.
     assert zero[0] == zero[2], zero
+
 
 def test_nonfinite_step_is_skipped_and_counted():
     """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to
