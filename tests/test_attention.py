@@ -38,6 +38,8 @@ def _runs(lengths) -> np.ndarray:
 THREE_DOCS = np.stack([_runs([T]), _runs([20, 30, T - 50])])
 # more documents than cuDNN's packed path takes: the masked kernel instead
 MANY_DOCS = np.stack([_runs([T]), _runs([3] * 20 + [T - 60])])
+# one document a row, under ids that differ between rows
+ONE_DOC_ROWS = np.stack([_runs([T]), _runs([T]) + 7])
 # one id in two places (ids not in runs): the mask's meaning (both places attend to each other)
 SPLIT_DOC = np.stack([_runs([T]), np.repeat(np.array([0, 1, 0], np.int32), [20, 20, T - 40])])
 
@@ -80,6 +82,16 @@ def test_xla_path_matches_the_formula_fp32(seg):
     _check(jnp.float32, seg, FP32_TOL, FP32_TOL)
 
 
+def test_single_document_rows_promised_match_the_formula_fp32():
+    _check(jnp.float32, ONE_DOC_ROWS, FP32_TOL, FP32_TOL, documents="single")
+
+
+def test_single_document_promised_for_packed_rows_gives_nan():
+    q, k, v, _ = _inputs(jnp.float32)
+    out = causal_attention(q, k, v, jnp.asarray(THREE_DOCS), 0.125, documents="single")
+    assert bool(jnp.isnan(out).all())
+
+
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 @pytest.mark.parametrize("seg", [THREE_DOCS, MANY_DOCS, SPLIT_DOC, None],
                          ids=["packed", "many", "split", "one"])
@@ -89,7 +101,8 @@ def test_cudnn_path_matches_the_formula_bf16(seg):
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 @pytest.mark.parametrize("seg, documents", [(THREE_DOCS, "packed"), (MANY_DOCS, "masked"),
-                                            (SPLIT_DOC, "masked")], ids=["packed", "many", "split"])
+                                            (SPLIT_DOC, "masked"), (ONE_DOC_ROWS, "single")],
+                         ids=["packed", "many", "split", "single"])
 def test_cudnn_layout_chosen_ahead_matches_the_formula_bf16(seg, documents):
     """The layout the training loop picks on the host (no device-side check) for the rows it
     fits: the formula's values and gradients."""
@@ -105,16 +118,18 @@ def test_packed_layout_promised_for_rows_it_does_not_fit_gives_nan():
 
 
 @pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, False),
-                                       (np.ones((2, T), np.int32), True)],
+                                       (ONE_DOC_ROWS, True)],
                          ids=["packed", "many", "split", "one"])
 def test_host_choice_of_layout_is_the_device_check(seg, fits, monkeypatch):
     """:func:`batch_documents` (numpy, on the host) says "packed" exactly where
-    :func:`segment_runs` (on the device) finds that the rows fit; off Hopper GPUs, "masked"."""
+    :func:`segment_runs` (on the device) finds that the rows fit, "single" where each row is one
+    document; off Hopper GPUs, "masked"."""
     import k3jax.ops.attention as attention
 
     assert bool(segment_runs(jnp.asarray(seg), PACKED_SEGMENTS)[2]) == fits
     monkeypatch.setattr(attention, "hopper_gpus", lambda: True)
-    assert batch_documents(seg) == ("packed" if fits else "masked")
+    one = bool((seg == seg[:, :1]).all())
+    assert batch_documents(seg) == ("single" if one else "packed" if fits else "masked")
     monkeypatch.setattr(attention, "hopper_gpus", lambda: False)
     assert batch_documents(seg) == "masked"
 
@@ -152,9 +167,10 @@ def test_value_head_wider_than_query_is_refused():
         causal_attention(q, k, v, None, 0.25)
 
 
+@pytest.mark.parametrize("documents", ["auto", "single"])
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],
                          ids=["data4_tensor2", "data2_fsdp4"])
-def test_each_device_attends_over_its_own_rows(mesh_cfg):
+def test_each_device_attends_over_its_own_rows(mesh_cfg, documents):
     """Under a mesh of 8 devices the attention runs per device (``shard_map`` over the batch axes,
     and the tensor axis over the heads where it divides them): the same values and gradients as
     on one device, to fp32 round-off."""
@@ -165,11 +181,14 @@ def test_each_device_attends_over_its_own_rows(mesh_cfg):
     q, k = (jax.random.normal(kk, (b, T, h, 16), jnp.float32) for kk in keys[:2])
     v = jax.random.normal(keys[2], (b, T, h, 8), jnp.float32)
     cot = jax.random.normal(keys[3], (b, T, h, 8), jnp.float32)
-    seg = jnp.asarray(np.concatenate([THREE_DOCS, SPLIT_DOC, MANY_DOCS, THREE_DOCS[::-1]]))
-    one = _values_and_grads(causal_attention, q, k, v, seg, cot)
+    rows = ([ONE_DOC_ROWS] * 4 if documents == "single"
+            else [THREE_DOCS, SPLIT_DOC, MANY_DOCS, THREE_DOCS[::-1]])
+    seg = jnp.asarray(np.concatenate(rows))
+    attend = functools.partial(causal_attention, documents=documents)
+    one = _values_and_grads(attend, q, k, v, seg, cot)
     per_device = jax.jit(_values_and_grads.__wrapped__, static_argnums=0)  # traced afresh
     with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
-        lowered = per_device.lower(causal_attention, q, k, v, seg, cot)
+        lowered = per_device.lower(attend, q, k, v, seg, cot)
         many = lowered.compile()(q, k, v, seg, cot)
     assert "sdy.manual_computation" in lowered.as_text()  # it did run per device
     for a, b_ in zip(jax.tree.leaves(one), jax.tree.leaves(many)):

@@ -231,8 +231,9 @@ def test_profile_diff_sorts_the_changes_and_totals_each_program(tmp_path):
 
 def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
     rows = _run(["benchmarks/attention.py", "--batch", "2", "--seq", "64", "--heads", "2",
-                 "--head-dim", "16", "--iters", "1", "--repeats", "1"], 300)
-    assert [r["variant"] for r in rows] == ["masked", "packed", "checked", "one_document"]
+                 "--head-dim", "16", "--v-head-dim", "8", "--iters", "1", "--repeats", "1"], 300)
+    assert [r["variant"] for r in rows] == ["masked", "packed", "checked", "single",
+                                            "one_document"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
     for packed in rows[1:3]:  # on the CPU all three are the masked XLA form
         assert packed["max_abs_diff_vs_masked"] == 0.0

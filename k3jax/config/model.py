@@ -27,9 +27,9 @@ from k3jax.config.moe import Activation, MoEConfig
 KDAImpl = Literal["auto", "reference", "chunked", "pallas"]
 Remat = Literal["none", "full", "dots"]   # dots: keep the matmul outputs, recompute the rest
 # How MLA's training attention takes packed documents (k3jax/ops/attention.py): "auto" checks each
-# batch on the device; "packed" and "masked" take one kernel unchecked (the training loop's choice,
-# made per batch on the host).
-Documents = Literal["auto", "packed", "masked"]
+# batch on the device; "single", "packed" and "masked" take one kernel unchecked (the training
+# loop's choice, made per batch on the host).
+Documents = Literal["auto", "single", "packed", "masked"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,12 @@ class MLAConfig:
     Hopper GPU. ``"auto"`` checks every batch on the device: cuDNN's packed layout when each row's
     ids are runs of at most 16 documents, else cuDNN's kernel under the mask (a ``lax.cond``).
     ``"packed"`` promises such rows and skips the check (rows that break the promise give NaN
-    outputs, not attention across documents); ``"masked"`` always takes the mask. The training
-    loop sets one of the last two per batch from the batch itself, on the host: the ``lax.cond``'s
+    outputs, not attention across documents); ``"single"`` promises one document a row and takes
+    the plain causal kernel (at ``k3_small``'s shape half the time of the packed layout; NaN
+    likewise where a row holds more); ``"masked"`` always takes the mask. The training loop sets
+    one of the last three per batch from the batch itself, on the host: the ``lax.cond``'s
     predicate, read by the host, cost ``k3_small`` about 2 ms a step on an H200. Elsewhere the
-    mask is the only form and the three are the same.
+    mask is the only form and all are the same computation.
     """
 
     num_heads: int = 4

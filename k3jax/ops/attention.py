@@ -8,18 +8,25 @@ XLA's composition of the formula elsewhere.
 * :func:`causal_attention` -- what the model calls (with documents and several devices, each
   device on its own rows, inside ``shard_map``). On an sm_90 GPU with bf16 or fp16 inputs it is
   cuDNN's flash attention: the ``[B, H, T, T]`` scores never reach memory and the upper triangle
-  is skipped. Packed documents go to cuDNN as its packed layout (each row's documents by offset
-  and length, :func:`segment_runs`), so no mask is read at all; a batch whose rows hold more than
-  :data:`PACKED_SEGMENTS` documents, or whose ids are not in runs, takes cuDNN's kernel with the
-  mask as an additive ``[B, 1, T, T]`` bias instead (:func:`masked_causal_attention`), which it
-  reads once per head (at ``k3_small``'s MLA shape, forward + backward 3.7 ms a call against 1.9:
-  docs/benchmarks.md).
-  That check is a ``lax.cond`` whose predicate the host reads; ``documents="packed"`` or
-  ``"masked"`` skip it, for a caller that knows its rows (the training loop checks each batch on
-  the host, :func:`batch_documents`).
+  is skipped. Rows of one document each (no ``segment_ids``, or ``documents="single"``) take its
+  plain causal kernel. Packed documents go to cuDNN as its packed layout (each row's documents by
+  offset and length, :func:`segment_runs`), so no mask is read at all; a batch whose rows hold
+  more than :data:`PACKED_SEGMENTS` documents, or whose ids are not in runs, takes cuDNN's kernel
+  with the mask as an additive ``[B, 1, T, T]`` bias instead (:func:`masked_causal_attention`),
+  which it reads once per head (at ``k3_small``'s MLA shape, forward + backward 7.1 ms a call
+  against 3.5: docs/benchmarks.md).
+  That check is a ``lax.cond`` whose predicate the host reads; ``documents="single"``,
+  ``"packed"`` or ``"masked"`` skip it, for a caller that knows its rows (the training loop checks
+  each batch on the host, :func:`batch_documents`).
   Elsewhere XLA's attention, whose scores and probabilities are ``[B, H, T, T]`` fp32 arrays.
-  Both want equal q/k/v head dims: ``v`` is zero-padded to the query's (MLA's values are narrower
-  than its queries), the extra output columns dropped.
+
+MLA's values are narrower than its queries (128 against 192 columns). cuDNN's plain causal kernel
+takes them as they are (its MLA mode, cuDNN 9.10 and later): at ``k3_small``'s MLA call, one
+document a row, forward + backward took half the time of the packed layout, which sizes its work
+by :data:`PACKED_SEGMENTS` documents a row and wants the values zero-padded to the query's width
+(docs/benchmarks.md). Every form but that kernel wants equal head dims: ``v`` is padded there and
+the extra output columns dropped. (jax's packed layout offsets the values by the query's head
+dim: with narrower values it reads and writes the wrong rows.)
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from jax import lax
 # (offsets and lengths of each row's documents) is its cuDNN module's own entry point.
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+from jax._src.lib import cuda_versions
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config.mesh import rule_axes
@@ -47,6 +55,9 @@ from k3jax.devices import hopper_gpus
 # Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
 # grid by rows x this number: 64 made it 2x slower than 16 at k3_small's shape.
 PACKED_SEGMENTS = 16
+
+# The first cuDNN whose fused attention takes values of another head dim than the queries'.
+CUDNN_UNEQUAL_HEAD_DIMS = 91000
 
 
 def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
@@ -94,30 +105,48 @@ def _runs_fit(segment_ids, runs, max_runs: int, xp):
 
 def batch_documents(segment_ids: np.ndarray) -> str:
     """The ``documents`` setting (:func:`causal_attention`) a batch's ``segment_ids [B, T]`` can
-    take, decided on the host: ``"packed"`` where cuDNN's packed layout takes every row (the
-    device-side check of :func:`segment_runs`), else ``"masked"``; off Hopper GPUs always
-    ``"masked"``, the only form there."""
+    take, decided on the host: ``"single"`` where every row is one document, ``"packed"`` where
+    cuDNN's packed layout takes every row (the device-side check of :func:`segment_runs`), else
+    ``"masked"``; off Hopper GPUs always ``"masked"``, the only form there."""
     ids = np.asarray(segment_ids)
     runs = 1 + np.count_nonzero(ids[:, 1:] != ids[:, :-1], axis=1)
-    return "packed" if hopper_gpus() and _runs_fit(ids, runs, PACKED_SEGMENTS, np) else "masked"
+    if not hopper_gpus():
+        return "masked"
+    if np.all(runs == 1):
+        return "single"
+    return "packed" if _runs_fit(ids, runs, PACKED_SEGMENTS, np) else "masked"
 
 
 def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
                      documents: Documents = "auto") -> jax.Array:
     """Causal attention of ``q`` over ``k, v``, within the documents of ``segment_ids [B, T]`` int
     (None: one document a row): ``q [B, T, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``;
-    returns ``[B, T, H, Dv]`` in ``q``'s dtype. ``documents``: ``"auto"``, ``"packed"`` or
-    ``"masked"`` (:class:`~k3jax.config.model.MLAConfig`)."""
+    returns ``[B, T, H, Dv]`` in ``q``'s dtype. ``documents``: ``"auto"``, ``"single"``,
+    ``"packed"`` or ``"masked"`` (:class:`~k3jax.config.model.MLAConfig`)."""
     if documents not in typing.get_args(Documents):
         raise ValueError(f"causal_attention: documents must be one of {typing.get_args(Documents)}"
                          f", got {documents!r}")
-    v_in = _padded_values(q, v)
     if segment_ids is None:
-        out = jax.nn.dot_product_attention(q, k, v_in, scale=scale, is_causal=True,
-                                           implementation=_implementation(q))
-    else:
-        out = _per_device(functools.partial(_within_documents, scale=scale, documents=documents),
-                          q, k, v_in, segment_ids)
+        return _one_document_a_row(q, k, v, scale)
+    if documents == "single":  # a broken promise shows, rather than mixing documents
+        one = jnp.all(segment_ids[:, 1:] == segment_ids[:, :-1])
+        out = _per_device(lambda q, k, v, _: _one_document_a_row(q, k, v, scale),
+                          q, k, v, segment_ids)
+        return jnp.where(one, out, jnp.nan)
+    out = _per_device(functools.partial(_within_documents, scale=scale, documents=documents),
+                      q, k, _padded_values(q, v), segment_ids)
+    return out[..., :v.shape[-1]]
+
+
+def _one_document_a_row(q, k, v, scale: float) -> jax.Array:
+    """Plain causal attention (no documents): cuDNN's kernel with ``v`` at its own head dim where
+    cuDNN takes that, else with ``v`` padded to the query's."""
+    implementation = _implementation(q)
+    if (implementation == "cudnn" and v.shape[-1] != q.shape[-1]
+            and cuda_versions.cudnn_get_version() >= CUDNN_UNEQUAL_HEAD_DIMS):
+        return cudnn_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)
+    out = jax.nn.dot_product_attention(q, k, _padded_values(q, v), scale=scale, is_causal=True,
+                                       implementation=implementation)
     return out[..., :v.shape[-1]]
 
 
