@@ -127,9 +127,9 @@ def test_the_gradient_program_is_handed_to_its_compile_before_the_update_is_trac
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_the_step_is_stored_once_the_first_step_is_done(toy, tmp_path):
+def test_the_step_is_stored_once_store_after_is_done(toy, tmp_path):
     """With ``store_after``, the compiled step is handed out at once and written only when that
-    future is done (serialising holds the interpreter lock, which the first step needs)."""
+    future is done (serialising holds the interpreter lock, which the training loop needs)."""
     import concurrent.futures
 
     gate = concurrent.futures.Future()

@@ -244,6 +244,55 @@ def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch)
     _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))
 
 
+def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatch):
+    """With the executable cache on, the loop writes the compiled step when it saves its first
+    checkpoint (serialising it holds the interpreter lock for seconds, which would stall the steps
+    beside it) and waits for it there; jax's persistent cache does not write the step's programs
+    (the same bytes once more, just before the first step), but still writes others."""
+    import dataclasses
+
+    from jax.experimental.compilation_cache import compilation_cache
+
+    import k3jax.parallel.executable_cache as executable_cache
+    import k3jax.train.loop as loop
+    from k3jax.config.experiment import CheckpointConfig
+
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {n: getattr(jax.config, n) for n in names}
+    events = []
+    stored = executable_cache.ExecutableCache.store
+    logged = loop._log_train
+
+    def store(self, key, programs):
+        events.append("store")
+        return stored(self, key, programs)
+
+    def log_train(writer, bar, prog, step, *args):
+        events.append(step)
+        return logged(writer, bar, prog, step, *args)
+
+    monkeypatch.setattr(executable_cache, "usable", lambda: True)  # else only on GPUs
+    monkeypatch.setattr(executable_cache.ExecutableCache, "store", store)
+    monkeypatch.setattr(loop, "_log_train", log_train)
+    cfg = _loop_config(tmp_path, steps=5, eval_batches=1)
+    cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=3, keep=2),
+                              train=dataclasses.replace(cfg.train, log_every=1))
+    cache = tmp_path / "jax_cache"
+    try:  # jax decides once per process whether its cache is in use, unless reset
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+        compilation_cache.reset_cache()
+        loop.run(cfg, tmp_path / "run", log=lambda m: None)
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()
+    assert events == [1, 2, 3, "store", 4, 5], events
+    assert len(list((cache / "k3jax-steps").glob("*.executable"))) == 1
+    written = [p.name for p in cache.glob("jit_*")]
+    assert written and not [n for n in written if n.startswith(("jit_gradients", "jit_update"))]
+
+
 def test_step_zero_evaluation_is_compiled_once_in_the_background(tmp_path, caplog):
     """The evaluation program compiles on a worker thread once the first step is done, and the
     evaluations at step 0 and at the end run that executable: jit lowers it only once (a call

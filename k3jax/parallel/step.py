@@ -8,6 +8,7 @@ expert-parallel dispatch finds the mesh and the rules table.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -15,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, NamedTuple
 
 import jax
+from jax._src import config as jax_config  # the persistent cache's write threshold, per thread
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config.base import ConfigError
@@ -135,9 +137,10 @@ class MeshStep:
         not load is traced, lowered and compiled again on that worker, so with jax's options as
         they are then (the sharded initialisation may have switched the GPU's threefry lowering
         on meanwhile, which gives the same bits), and replaced. Storing waits for ``store_after``
-        when given (the first step): serialising the programs holds the interpreter lock for
-        seconds (on an H200, ``k3_small``'s first step was done 7 s after its compile while the
-        write ran beside it, 3 s after once the write waited).
+        when given: serialising the programs holds the interpreter lock for seconds (4.3 s for
+        ``k3_small`` on an H200), which stalls a training loop running beside it. For the same
+        reason jax's persistent compilation cache does not write the programs the executable
+        cache stores: its write came between XLA's compile and the first step (2.7 s there).
         """
         done: Future = Future()
         args = (state, batch, data)
@@ -145,15 +148,16 @@ class MeshStep:
         if cache is not None and cache.has(key):
             work, work_args = self._load, (cache, key, args, done)
         else:
-            work, work_args = self._finish, (self._start_compiles(args), cache, key, done,
-                                             store_after)
+            work, work_args = self._finish, (self._start_compiles(args, cache is None), cache,
+                                             key, done, store_after)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
 
-    def _start_compiles(self, args):
+    def _start_compiles(self, args, jax_cache_writes: bool):
         """``(futures of the compiled programs, stage seconds, compile start)``: each program
-        compiles on its own worker thread from the moment it is lowered."""
+        compiles on its own worker thread from the moment it is lowered; ``jax_cache_writes``:
+        whether jax's persistent compilation cache (when on) may write them."""
         pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="compile-step")
         futures, started = [], []
 
@@ -161,7 +165,7 @@ class MeshStep:
             if not started:
                 started.append(time.perf_counter())
             compile_kernels_async(lowered)
-            futures.append(pool.submit(jax.stages.Lowered.compile, lowered))
+            futures.append(pool.submit(_compile, lowered, jax_cache_writes))
 
         try:
             _, seconds = self.lower(*args, compile_each=compile_each)
@@ -192,10 +196,19 @@ class MeshStep:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args), cache, key, done, None)
+            return self._finish(self._start_compiles(args, False), cache, key, done, None)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
+
+
+def _compile(lowered: jax.stages.Lowered, jax_cache_writes: bool) -> jax.stages.Compiled:
+    """``lowered.compile()``; without ``jax_cache_writes`` jax's persistent cache may still
+    provide the program but does not write it (the threshold is per thread)."""
+    if jax_cache_writes:
+        return lowered.compile()
+    with jax_config.persistent_cache_min_compile_time_secs(math.inf):
+        return lowered.compile()
 
 
 def _settle(done: Future, work, args) -> None:

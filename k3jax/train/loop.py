@@ -70,24 +70,26 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     log = RunLog(log or (lambda msg: tqdm.write(str(msg), file=sys.stderr)))
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
     lock = lock_run(workdir)
-    # Work held back until the first step is done (background compiles and writes wait for it):
-    # released here too, so that nothing waits for a run that failed before its first step.
-    first_step = Future()
+    # Work held back until a point of the run (a background compile waits for the first step,
+    # the compiled step's write for the first checkpoint): released here too, so that nothing
+    # waits for a run that failed or ended before it got there.
+    first_step, first_save = Future(), Future()
     try:
         log.open(workdir / (LOG_FILE if jax.process_index() == 0
                             else f"train.process{jax.process_index()}.log"))
-        return _run_locked(cfg, workdir, data, log, first_step)
+        return _run_locked(cfg, workdir, data, log, first_step, first_save)
     except ConfigError as e:
         log.record(f"error: {e}")  # the caller prints it; the log file keeps it too
         raise
     finally:
-        if not first_step.done():
-            first_step.set_result(None)
+        for milestone in (first_step, first_save):
+            if not milestone.done():
+                milestone.set_result(None)
         log.close()
         lock.release()
 
 
-def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
+def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: Future) -> dict:
     t_start = time.time()
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
@@ -140,14 +142,24 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
     start = 0 if found is None else found[0]
     # XLA compiles the step on a worker thread while the state is created or restored below
     # (a finished run has no step left to compile). One compiled step per attention layout the
-    # batches take (step_documents), each compiled when a batch first needs it.
+    # batches take (step_documents), each compiled when a batch first needs it. Each is written
+    # to the executable cache with the first checkpoint (what a resumed run needs): the write
+    # holds the interpreter lock for seconds, which would stall the steps beside it.
     compiled_steps = {}
 
     def compile_for(documents: str, host_batch: dict):
         """Start compiling the step of this layout; returns the schedule's placed numbers."""
         schedule, compiled_steps[documents] = compile_step_async(
-            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch, first_step)
+            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch, first_save)
         return schedule
+
+    def store_steps(prog: Progress) -> None:
+        """Let the compiled steps be written and wait for that, outside the throughput window."""
+        t0 = time.time()
+        first_save.set_result(None)
+        for compiling in compiled_steps.values():
+            compiling.result().stored.result()
+        prog.window_t += time.time() - t0
 
     if start < cfg.train.steps:
         first_batch = data.train(start)
@@ -270,6 +282,8 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future) -> dict:
                 initial = None
             if saving:
                 ckpt.save(done, state, _meta(config, done, cfg))
+                if not first_save.done():
+                    store_steps(prog)
             else:
                 ckpt.poll()
             if done == kill_at:
@@ -320,7 +334,8 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
     Returns ``(schedule, compiling)``: the schedule's numbers, placed for the step (data, so a run
     with another learning rate or length loads this step from the compilation cache), and a future
     of :class:`~k3jax.parallel.step.CompiledStep`. With the executable cache on, the step is
-    written there once ``store_after`` (when given) is done.
+    written there once ``store_after`` (when given) is done, and jax's persistent cache does
+    not write it.
     """
     from k3jax.model import K3Model
     from k3jax.parallel import abstract_batch, sharded_step
