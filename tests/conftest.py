@@ -19,6 +19,7 @@ for _flag in xla_flags(SIMULATED_DEVICES).split():  # flags already given by the
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402  (after the flags above)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -27,6 +28,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # each compiled program to a finished test's directory (~5% more compile time). Subprocesses (the
 # train.py and sweep runs) are not affected: they use the cache as users do.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture()
+def restore_cache_config():
+    """The persistent cache switched on as a run switches it on, its options restored after. jax
+    decides once per process whether its cache is in use: that is reset on both sides too."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_enable_compilation_cache")
+    before = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+    yield
+    for n, v in before.items():
+        jax.config.update(n, v)
+    compilation_cache.reset_cache()
 
 # `make test` runs `pytest -n 2 --dist loadfile`: whole files go to the two workers in the queue's
 # order, each worker taking the next file as it runs out. Queued longest first (the largest

@@ -81,18 +81,6 @@ def test_pack_names_a_directory_without_results(tmp_path, capsys):
         compile_cache.main(["pack", str(tmp_path), "--tables", str(tmp_path / "tables")])
 
 
-@pytest.fixture()
-def restore_cache_config():
-    """The cache options as a run sets them (the suite turns the cache off), restored after."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_enable_compilation_cache")
-    before = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_enable_compilation_cache", True)
-    yield
-    for n, v in before.items():
-        jax.config.update(n, v)
-
-
 def _shipped(device: str) -> int:
     """How many results the shipped tables hold for ``device``."""
     records = [json.loads(t.read_text()) for t in SHIPPED.glob("*.json")]

@@ -244,21 +244,18 @@ def test_each_batch_runs_the_step_of_its_attention_layout(tmp_path, monkeypatch)
     _assert_same_state(_final_state(tmp_path / "two", 6), _final_state(tmp_path / "one", 6))
 
 
-def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatch):
+def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatch,
+                                                            restore_cache_config):
     """With the executable cache on, the loop writes the compiled step when it saves its first
     checkpoint (serialising it holds the interpreter lock for seconds, which would stall the steps
     beside it) and waits for it there; jax's persistent cache does not write the step's programs
     (the same bytes once more, just before the first step), but still writes others."""
     import dataclasses
 
-    from jax.experimental.compilation_cache import compilation_cache
-
     import k3jax.parallel.executable_cache as executable_cache
     import k3jax.train.loop as loop
     from k3jax.config.experiment import CheckpointConfig
 
-    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
-    before = {n: getattr(jax.config, n) for n in names}
     events = []
     stored = executable_cache.ExecutableCache.store
     logged = loop._log_train
@@ -278,15 +275,8 @@ def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatc
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=3, keep=2),
                               train=dataclasses.replace(cfg.train, log_every=1))
     cache = tmp_path / "jax_cache"
-    try:  # jax decides once per process whether its cache is in use, unless reset
-        jax.config.update("jax_enable_compilation_cache", True)
-        jax.config.update("jax_compilation_cache_dir", str(cache))
-        compilation_cache.reset_cache()
-        loop.run(cfg, tmp_path / "run", log=lambda m: None)
-    finally:
-        for n, v in before.items():
-            jax.config.update(n, v)
-        compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    loop.run(cfg, tmp_path / "run", log=lambda m: None)
     assert events == [1, 2, 3, "store", 4, 5], events
     assert len(list((cache / "k3jax-steps").glob("*.executable"))) == 1
     written = [p.name for p in cache.glob("jit_*")]
