@@ -7,7 +7,8 @@ starts on a multiple of ``BLOCK_M`` rows, so tile ``t`` is one group's or paddin
 group (``tile_group[t] == -1``). A dropless expert-parallel buffer is sized for the worst case (up
 to ``E_p`` times its real rows); XLA's elementwise fusions would compute the activation, its
 gradient and their casts on every row, these kernels only on the real tiles. One CTA per row tile
-pipelines ``BLOCK_N``-column blocks through shared memory and computes in fp32.
+pipelines ``BLOCK_N``-column blocks through shared memory and computes in fp32; each block's results
+leave through one of two shared-memory buffers, so a block's stores overlap the next block's math.
 
 Rows of ``-1`` tiles are left unwritten (unspecified), as in the tile matmul that consumes them.
 
@@ -27,7 +28,10 @@ from jax import lax
 
 from pallas_kernels.row_tiles import TILE_ROWS
 
-BLOCK_M, BLOCK_N, STAGES = TILE_ROWS, 64, 2
+# On an H200 at k3_small's expert width (384 columns), 32-column blocks with two output buffers
+# took the gradient kernel from 0.316 to 0.188 ms and the forward from 0.154 to 0.123 (64 columns
+# and one buffer before; docs/benchmarks.md).
+BLOCK_M, BLOCK_N, STAGES, OUT_BUFFERS = TILE_ROWS, 32, 2, 2
 
 
 def tiled_glu_reference(gate, up, tile_group, act, dh=None):
@@ -70,23 +74,27 @@ def _run_on_tiles(math, operands, num_out: int, tile_group, name: str, interpret
         def tiles(*out_smem):
             def step(idx, *in_smem):
                 cols = pl.ds(idx[0] * BLOCK_N, BLOCK_N)
+                buffer = lax.rem(idx[0], OUT_BUFFERS)
                 results = math(*(r[...].astype(jnp.float32) for r in in_smem))
                 for smem, value in zip(out_smem, results):
-                    smem[...] = value.astype(dtype)
+                    smem.at[buffer][...] = value.astype(dtype)
                 plgpu.commit_smem()
                 for smem, gmem in zip(out_smem, out_refs):
-                    plgpu.copy_smem_to_gmem(smem, gmem.at[pl.ds(mi * BLOCK_M, BLOCK_M), cols])
-                # The next block reuses out_smem: its stores must have left shared memory.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.copy_smem_to_gmem(smem.at[buffer],
+                                            gmem.at[pl.ds(mi * BLOCK_M, BLOCK_M), cols])
+                # The next block writes the other buffer: the stores of the block before this
+                # one, which used it, must have left shared memory.
+                plgpu.wait_smem_to_gmem(OUT_BUFFERS - 1, wait_read_only=True)
 
             spec = plgpu.BlockSpec((BLOCK_M, BLOCK_N), lambda j: (mi, j))
             plgpu.emit_pipeline(step, grid=(n // BLOCK_N,), in_specs=[spec] * len(operands),
                                 max_concurrent_steps=STAGES)(*in_refs)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         # Outputs leave through shared memory written in the step (not the pipeline's out_specs,
         # whose predicated copies the Mosaic GPU interpreter cannot run).
         pl.when(group_ref[mi] >= 0)(lambda: pl.run_scoped(
-            tiles, *[plgpu.SMEM((BLOCK_M, BLOCK_N), dtype)] * num_out))
+            tiles, *[plgpu.SMEM((OUT_BUFFERS, BLOCK_M, BLOCK_N), dtype)] * num_out))
 
     run = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((m, n), dtype),) * num_out,

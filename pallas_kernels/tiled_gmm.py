@@ -6,7 +6,11 @@ accumulation). The rows are laid out so that every group starts on a multiple of
 (the dispatch pads each group; see ``k3jax.ops.grouped_matmul``); then tile ``t`` of ``BLOCK_M``
 rows is one group's (``tile_group[t]``) or padding past the last group (``-1``). One CTA per
 ``(column tile, row tile)`` runs a TMA-pipelined WGMMA loop over ``K`` (bf16 operands, fp32
-accumulation) and stores a full tile; a padding tile returns at once. jax's ``ragged_dot_mgpu``
+accumulation) and stores a full tile; a padding tile returns at once. A WGMMA is asynchronous, so
+the pipeline refills a step's shared-memory slot only after the next step has been issued
+(``delay_release=1``): refilled at once, as the copy of step ``s + STAGES`` was before, the slot
+could be overwritten while the product still read it (on an H200 that corrupted a few percent of
+the rows of ``k3_small``'s input-gradient products). jax's ``ragged_dot_mgpu``
 instead lets tiles straddle groups and walks a grid fixed by the row count, so a worst-case-sized
 expert buffer (dropless expert parallelism: ``E_p`` times the balanced load) costs its full size
 in tensor-core time; here it costs its real rows.
@@ -25,7 +29,9 @@ from jax import lax
 
 from pallas_kernels.row_tiles import TILE_ROWS
 
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES = TILE_ROWS, 128, 64, 4
+# Three slots: the fastest of two to four on an H200 at k3_small's expert shapes (K = N = 384) and
+# at K = 1024, N = 768 (docs/benchmarks.md).
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES = TILE_ROWS, 128, 64, 3
 
 
 def tiled_gmm_reference(x, w, tile_group, *, transpose_rhs: bool = False):
@@ -74,12 +80,13 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
                 def step(_, x_smem, w_smem):
                     plgpu.wgmma(acc_ref, x_smem, w_smem.T if transpose_rhs else w_smem)
 
-                w_spec = (plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda kk: (ni, kk))
+                # delay_release: the asynchronous product of a step still reads its slot.
+                w_spec = (plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda kk: (ni, kk), delay_release=1)
                           if transpose_rhs else
-                          plgpu.BlockSpec((BLOCK_K, BLOCK_N), lambda kk: (kk, ni)))
+                          plgpu.BlockSpec((BLOCK_K, BLOCK_N), lambda kk: (kk, ni), delay_release=1))
+                x_spec = plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda kk: (mi, kk), delay_release=1)
                 plgpu.emit_pipeline(
-                    step, grid=(k // BLOCK_K,),
-                    in_specs=[plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda kk: (mi, kk)), w_spec],
+                    step, grid=(k // BLOCK_K,), in_specs=[x_spec, w_spec],
                     max_concurrent_steps=STAGES,
                 )(x_ref, w_ref.at[group])
                 return acc_ref[...]
