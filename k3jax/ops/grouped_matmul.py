@@ -36,7 +36,9 @@ GROUPED_MATMULS = typing.get_args(GroupedMatmul)
 
 # Tile sizes of jax's Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _STAGES, _GRID_N = 128, 128, 64, 4, 1
-_T_BLOCK_M, _T_BLOCK_N, _T_BLOCK_K = 64, 128, 64
+# The weight gradient in 128 x 128 output tiles: on an H200 at k3_small's experts (384 x 384 from
+# 131,072 rows) 0.116 ms against 0.138 with 64-row tiles.
+_T_BLOCK_M, _T_BLOCK_N, _T_BLOCK_K = 128, 128, 64
 
 
 def check_grouped_matmul(name: str) -> None:
