@@ -128,14 +128,8 @@ def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
                          f", got {documents!r}")
     if segment_ids is None:
         return _one_document_a_row(q, k, v, scale)
-    if documents == "single":  # a broken promise shows, rather than mixing documents
-        one = jnp.all(segment_ids[:, 1:] == segment_ids[:, :-1])
-        out = _per_device(lambda q, k, v, _: _one_document_a_row(q, k, v, scale),
-                          q, k, v, segment_ids)
-        return jnp.where(one, out, jnp.nan)
-    out = _per_device(functools.partial(_within_documents, scale=scale, documents=documents),
-                      q, k, _padded_values(q, v), segment_ids)
-    return out[..., :v.shape[-1]]
+    return _per_device(functools.partial(_within_documents, scale=scale, documents=documents),
+                       q, k, v, segment_ids)
 
 
 def _one_document_a_row(q, k, v, scale: float) -> jax.Array:
@@ -151,10 +145,14 @@ def _one_document_a_row(q, k, v, scale: float) -> jax.Array:
 
 
 def _within_documents(q, k, v, segment_ids, scale: float, documents: Documents) -> jax.Array:
-    """:func:`causal_attention` with documents, on the rows at hand (``v`` padded to ``q``'s
-    head dim)."""
+    """:func:`causal_attention` with documents, on the rows at hand. A layout promised by
+    ``documents`` that the rows break gives NaN outputs rather than attention across documents."""
+    if documents == "single":
+        one = jnp.all(segment_ids[:, 1:] == segment_ids[:, :-1])
+        return jnp.where(one, _one_document_a_row(q, k, v, scale), jnp.nan)
+    v_in = _padded_values(q, v)
     if _implementation(q) is None or documents == "masked":
-        return masked_causal_attention(q, k, v, segment_ids, scale)
+        return masked_causal_attention(q, k, v_in, segment_ids, scale)[..., :v.shape[-1]]
     offsets, lengths, fits = segment_runs(segment_ids, PACKED_SEGMENTS)
 
     def packed(q, k, v):
@@ -164,9 +162,11 @@ def _within_documents(q, k, v, segment_ids, scale: float, documents: Documents) 
     def masked(q, k, v):
         return masked_causal_attention(q, k, v, segment_ids, scale)
 
-    if documents == "packed":  # a broken promise shows, rather than mixing documents
-        return jnp.where(fits, packed(q, k, v), jnp.nan)
-    return lax.cond(fits, packed, masked, q, k, v)
+    if documents == "packed":
+        out = jnp.where(fits, packed(q, k, v_in), jnp.nan)
+    else:
+        out = lax.cond(fits, packed, masked, q, k, v_in)
+    return out[..., :v.shape[-1]]
 
 
 def masked_causal_attention(q, k, v, segment_ids, scale: float) -> jax.Array:

@@ -148,16 +148,16 @@ class MeshStep:
         if cache is not None and cache.has(key):
             work, work_args = self._load, (cache, key, args, done)
         else:
-            work, work_args = self._finish, (self._start_compiles(args, cache is None), cache,
-                                             key, done, store_after)
+            work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, done,
+                                             store_after)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
 
-    def _start_compiles(self, args, jax_cache_writes: bool):
+    def _start_compiles(self, args, cache: ExecutableCache | None):
         """``(futures of the compiled programs, stage seconds, compile start)``: each program
-        compiles on its own worker thread from the moment it is lowered; ``jax_cache_writes``:
-        whether jax's persistent compilation cache (when on) may write them."""
+        compiles on its own worker thread from the moment it is lowered. jax's persistent
+        compilation cache (when on) writes them only where the executable ``cache`` will not."""
         pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="compile-step")
         futures, started = [], []
 
@@ -165,7 +165,7 @@ class MeshStep:
             if not started:
                 started.append(time.perf_counter())
             compile_kernels_async(lowered)
-            futures.append(pool.submit(_compile, lowered, jax_cache_writes))
+            futures.append(pool.submit(_compile, lowered, cache is None))
 
         try:
             _, seconds = self.lower(*args, compile_each=compile_each)
@@ -196,7 +196,7 @@ class MeshStep:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args, False), cache, key, done, None)
+            return self._finish(self._start_compiles(args, cache), cache, key, done, None)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
