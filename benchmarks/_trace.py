@@ -167,8 +167,8 @@ _GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma")
 
 
 def category(kernel: Kernel, instr: Instr | None) -> str:
-    """``matmul``, ``attention``, ``mosaic:<kernel>``, ``fusion``, ``copy``, ``memset``,
-    ``collective``, ``custom:<target>`` or ``other:<opcode>``."""
+    """``matmul``, ``attention``, ``mosaic:<kernel>``, ``triton:<kernel>``, ``fusion``, ``copy``,
+    ``memset``, ``collective``, ``custom:<target>`` or ``other:<opcode>``."""
     name = kernel.name.lower()
     if "memset" in name:
         return "memset"
@@ -176,6 +176,8 @@ def category(kernel: Kernel, instr: Instr | None) -> str:
         return "copy"
     if name.endswith("_mosaic_gpu_kernel"):
         return f"mosaic:{kernel.name[:-len('_mosaic_gpu_kernel')]}"
+    if name.endswith("_triton"):  # k3jax names its Pallas Triton kernels so
+        return f"triton:{kernel.name[:-len('_triton')]}"
     if "sdpa" in name or "flash" in name or "cudnn::fusion" in name:
         return "attention"  # cuDNN's fused attention (no instruction to look up in a buffer)
     if instr is None:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from helpers import small_config
 
-from k3jax.layers.conv import causal_conv, causal_conv_step
 from k3jax.layers.kda import KDALayer, kda_gate
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.norms import rms_norm
+from k3jax.ops.short_conv import conv_silu, conv_silu_step
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 
 B, T = 2, 24
@@ -46,7 +46,7 @@ def test_conv_taps_never_cross_a_segment():
     x = _x(1, 6)
     w = jax.random.normal(jax.random.key(2), (4, 6))
     seg = _segments()
-    conv = jax.jit(causal_conv)  # one compile per document length, not one per op
+    conv = jax.jit(conv_silu)  # one compile per document length, not one per op
     y = np.asarray(conv(x, w, seg)[0])
     for b in range(B):
         for s in np.unique(seg[b]):
@@ -58,10 +58,10 @@ def test_conv_taps_never_cross_a_segment():
 def test_conv_decode_steps_equal_full_conv():
     x = _x(3, 5)
     w = jax.random.normal(jax.random.key(4), (4, 5))
-    full, final = jax.jit(causal_conv)(x, w)
+    full, final = jax.jit(conv_silu)(x, w)
     full = np.asarray(full)
     state = np.zeros((B, 3, 5), np.float32)
-    step = jax.jit(causal_conv_step)
+    step = jax.jit(conv_silu_step)
     for t in range(T):
         y, state = step(x[:, t], w, state)
         np.testing.assert_allclose(y, full[:, t], rtol=1e-5, atol=1e-6)

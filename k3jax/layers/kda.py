@@ -15,10 +15,10 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
-from k3jax.layers.conv import causal_conv, causal_conv_step
 from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
 from k3jax.ops.kda import kda, kda_decode, l2_normalize
+from k3jax.ops.short_conv import conv_silu, conv_silu_step
 
 
 class KDACache(NamedTuple):
@@ -128,8 +128,7 @@ class KDALayer(nn.Module):
                                      ("conv_k", self.w_k, self.conv_k),
                                      ("conv_v", self.w_v, self.conv_v)):
             state = None if cache is None else getattr(cache, name)
-            y, new_state = causal_conv(x @ self._cast(w_proj), w_conv, segment_ids, state)
-            convs.append((jax.nn.silu(y), new_state))
+            convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl))
         (q, cq), (kk, ck), (v, cv) = convs
         # Materialise the activated convolutions before the L2 norms: fused into the norms' row
         # reductions, XLA's GPU kernels ran ~10x below memory bandwidth (15 ms of a k3_small step).
@@ -147,13 +146,12 @@ class KDALayer(nn.Module):
         """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of math
         §3.4."""
         x = x.astype(jnp.dtype(self.cfg.dtype))
-        q, cq = causal_conv_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
-        kk, ck = causal_conv_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)
-        v, cv = causal_conv_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
+        q, cq = conv_silu_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
+        kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)
+        v, cv = conv_silu_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
         g, beta = self._gates(x)
-        o, state = kda_decode(l2_normalize(self._heads(jax.nn.silu(q))),
-                              l2_normalize(self._heads(jax.nn.silu(kk))),
-                              self._heads(jax.nn.silu(v)), g, beta, cache.state)
+        o, state = kda_decode(l2_normalize(self._heads(q)), l2_normalize(self._heads(kk)),
+                              self._heads(v), g, beta, cache.state)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)
 
     # -- extending a cache (prefill chunks, decode steps) --------------------------------------

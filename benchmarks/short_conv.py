@@ -1,0 +1,78 @@
+"""KDA's short convolution with its SiLU: the Triton kernels against XLA's fusions of the formula.
+
+One JSON line per (path, documents a row) with forward and forward + backward median milliseconds
+(host clock around ``block_until_ready``, median of 5 batches of 20 calls after compilation), the
+bytes the ideal pass moves (forward: read ``x``, write the activation; backward: read ``x`` and the
+output gradient, write the input gradient) and the rate that implies, and XLA's time over the
+kernels'. The input is one projection of a KDA layer, bf16 ``[B, T, C]``, with fp32 taps of width
+4; one document a row, or ``--docs`` at random cuts.
+
+    python benchmarks/short_conv.py [--shape 32,2048,768] [--docs 1,12] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import emit, timed
+
+from k3jax.devices import hopper_gpus
+from k3jax.ops.short_conv import conv_silu
+
+
+def segments(b: int, t: int, docs: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, t), np.int32)
+    for row in range(b):
+        for cut in rng.choice(np.arange(1, t), docs - 1, replace=False):
+            seg[row, cut:] += 1
+    return seg
+
+
+def paths(impl: str):
+    """Jitted forward and forward + backward (the gradients of x and w) of one path."""
+    def forward(x, w, seg):
+        return conv_silu(x, w, seg, impl=impl)[0]
+
+    def forward_backward(x, w, seg, dout):
+        return jax.vjp(lambda x, w: forward(x, w, seg), x, w)[1](dout)
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="32,2048,768", help="B,T,C")
+    ap.add_argument("--docs", default="1,12", help="documents a row, comma-separated")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not hopper_gpus():
+        raise SystemExit("short_conv.py times the Triton kernels: it needs an sm_90 GPU")
+    b, t, c = map(int, args.shape.split(","))
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (b, t, c), jnp.bfloat16)
+    w = jax.random.normal(kw, (4, c), jnp.float32) / 2
+    dout = jax.random.normal(kd, (b, t, c), jnp.bfloat16)
+    gb = x.size * x.dtype.itemsize / 1e9
+    out = open(args.out, "a") if args.out else None
+    for docs in map(int, args.docs.split(",")):
+        seg = jnp.asarray(segments(b, t, docs))
+        times = {}
+        for impl in ("pallas", "reference"):
+            fwd, grad = paths(impl)
+            times[impl] = (timed(fwd, (x, w, seg), 20, 5),
+                           timed(grad, (x, w, seg, dout), 20, 5))
+        for impl, (f, fb) in times.items():
+            emit({"bench": "short_conv", "path": "kernels" if impl == "pallas" else "xla",
+                  "shape": [b, t, c], "docs": docs, "fwd_ms": round(f, 4),
+                  "fwd_bwd_ms": round(fb, 4), "fwd_TB_s": round(2 * gb / f, 2),
+                  "fwd_bwd_TB_s": round(5 * gb / fb, 2),
+                  "xla_over_this": [round(times["reference"][0] / f, 2),
+                                    round(times["reference"][1] / fb, 2)]}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""KDA's short convolution: causal, depthwise, segment-aware, with decode state (math §3.1 step 2).
+
+The weight ``[W, C]`` applies ``w[W-1]`` to the current token and ``w[W-1-i]`` to the token ``i``
+steps back. A tap never reads across a segment boundary, so packed documents stay independent.
+The decode state holds the last ``W-1`` inputs ``[B, W-1, C]``, oldest first.
+
+:func:`conv_silu` is what the layer runs: the convolution and its SiLU in fp32, rounded once. On a
+Hopper GPU a sequence from its start (no state) takes the Triton kernels of
+:mod:`pallas_kernels.short_conv` forward and backward; otherwise, and with ``impl="reference"``,
+the formula below under JAX's autodiff, which is also the kernels' reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.devices import hopper_gpus
+
+F32 = jnp.float32
+
+
+def _conv32(x, w, segment_ids, state):
+    """``(y [B, T, C] fp32, new_state [B, W-1, C])``: the convolution without its activation."""
+    width = w.shape[0]
+    b, t, c = x.shape
+    xs = _with_state(x, state, width)  # [B, W-1+T, C]
+    if segment_ids is not None:
+        first = segment_ids[:, :1]
+        seg = jnp.concatenate([jnp.broadcast_to(first, (b, width - 1)), segment_ids], axis=1)
+    y = jnp.zeros((b, t, c), F32)
+    for i in range(width):  # i steps back; W is 4, so the loop stays tiny
+        tap = jax.lax.dynamic_slice_in_dim(xs, width - 1 - i, t, axis=1).astype(F32)
+        if segment_ids is not None:
+            same = jax.lax.dynamic_slice_in_dim(seg, width - 1 - i, t, axis=1) == segment_ids
+            tap = jnp.where(same[..., None], tap, 0.0)
+        y = y + tap * w[width - 1 - i].astype(F32)
+    return y, xs[:, t:]
+
+
+def _with_state(x, state, width: int) -> jax.Array:
+    """``[B, W-1+T, C]``: the ``W-1`` inputs before ``x`` (``state``, or zeros) and ``x``; its
+    last ``W-1`` rows are the state after ``x``."""
+    if state is None:
+        state = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+    return jnp.concatenate([state.astype(x.dtype), x], axis=1)
+
+
+def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
+              state: jax.Array | None = None, impl: str = "auto"
+              ) -> tuple[jax.Array, jax.Array]:
+    """``(silu(conv(x)) [B, T, C] in x.dtype, new_state [B, W-1, C])``: the causal depthwise
+    convolution and its SiLU, computed in fp32 and rounded once.
+
+    Args:
+      x: ``[B, T, C]`` inputs.
+      w: ``[W, C]`` taps.
+      segment_ids: ``[B, T]`` int or None; taps only reach tokens of the same segment.
+      state: ``[B, W-1, C]`` inputs preceding ``x`` (a continued sequence), or None for zeros. They
+        belong to the segment of ``x``'s first token.
+      impl: ``"pallas"`` runs the kernels (ValueError when they cannot take the call), ``"auto"``
+        where they can (a Hopper GPU, no ``state``, tile-aligned shapes), anything else (the KDA
+        layer passes its own ``impl``) the formula.
+    Returns:
+      The activation and ``new_state``, the last ``W-1`` inputs.
+    """
+    if state is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
+        from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
+
+        seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+        if impl == "pallas":
+            short_conv.check_args(x, w, seg)
+        if impl == "pallas" or short_conv.supports(x, w, seg):
+            return kernel_conv_silu(x, w, seg), _with_state(x, None, w.shape[0])[:, x.shape[1]:]
+    y, new_state = _conv32(x, w, segment_ids, state)
+    return jax.nn.silu(y).astype(x.dtype), new_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def kernel_conv_silu(x, w, segment_ids, interpret: bool = False):
+    """:func:`conv_silu`'s kernel path for a sequence from its start: ``silu(conv(x))`` with the
+    kernels' gradients (``segment_ids [B, T]`` int, required). ``interpret``: run the kernels in
+    Pallas's interpreter (CPU tests)."""
+    return _launcher("conv_silu")(x, w, segment_ids, interpret=interpret)
+
+
+def _kernel_fwd(x, w, segment_ids, interpret):
+    return kernel_conv_silu(x, w, segment_ids, interpret), (x, w, segment_ids)
+
+
+def _kernel_bwd(interpret, res, dout):
+    x, w, segment_ids = res
+    dx, dw_parts = _launcher("conv_silu_vjp")(x, w, segment_ids, dout.astype(x.dtype),
+                                              interpret=interpret)
+    return dx, jnp.sum(dw_parts, axis=0).astype(w.dtype), None
+
+
+kernel_conv_silu.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+@functools.cache
+def _launcher(name: str):
+    """A kernel of :mod:`pallas_kernels.short_conv`, imported on first use and jitted once, so
+    every layer's call shares one lowering."""
+    from pallas_kernels import short_conv
+    from pallas_kernels._mgpu import shared_lowering
+    return shared_lowering(getattr(short_conv, name), ())
+
+
+def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One decode token of :func:`conv_silu`: ``(silu(y) [B, C] in x.dtype, new_state)``."""
+    y, new_state = _step32(x, w, state)
+    return jax.nn.silu(y).astype(x.dtype), new_state
+
+
+def _step32(x, w, state):
+    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, W, C]
+    return jnp.einsum("bwc,wc->bc", window.astype(F32), w.astype(F32)), window[:, 1:]
+
+
+__all__ = ["conv_silu", "conv_silu_step", "kernel_conv_silu"]

@@ -1,0 +1,141 @@
+"""KDA's short convolution with its SiLU: the Triton kernels' path (custom VJP: forward kernel,
+backward kernel, the weight gradient's partial sums) against JAX's autodiff of the fp32 formula,
+in Pallas's interpreter and lowered for an H200; on an sm_90 GPU also compiled, at k3_small's
+shape (run the GPU test as ``JAX_PLATFORMS=cuda python -m pytest -q tests/test_short_conv.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+
+from k3jax.devices import hopper_gpus
+from k3jax.ops.short_conv import conv_silu, kernel_conv_silu
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
+from pallas_kernels import short_conv as kernels
+
+BT, BC = kernels.BLOCK_T, kernels.BLOCK_C
+
+
+def _segments(b: int, t: int, docs: int, seed: int) -> np.ndarray:
+    """``[b, t]`` runs of ids, ``docs`` documents a row at random cuts: boundaries fall inside
+    tiles and on their edges, and a document may be shorter than the convolution."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, t), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), docs - 1, replace=False))
+        cuts[0] = BT  # one boundary exactly on a tile edge
+        for cut in cuts:
+            seg[row, cut:] += 1
+    return seg
+
+
+def _operands(b, t, c, width, dtype, seed=0):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (b, t, c), jnp.float32)
+    w = jax.random.normal(kw, (width, c), jnp.float32) / np.sqrt(width)
+    dout = jax.random.normal(kd, (b, t, c), jnp.float32)
+    return x.astype(dtype), w, dout.astype(dtype)
+
+
+def _values_and_grads(x, w, seg, dout, path):
+    """``(out, dx, dw)`` of one path: ``"kernels"`` (interpreted on the CPU) or ``"formula"``."""
+    def f(x, w):
+        if path == "formula":
+            return conv_silu(x, w, seg, impl="reference")[0]
+        return kernel_conv_silu(x, w, seg, not hopper_gpus())
+
+    out, vjp = jax.vjp(f, x, w)
+    return (out, *vjp(dout))
+
+
+def _check(x, w, seg, dout, tols):
+    kernels_run = jax.jit(lambda *a: _values_and_grads(*a, "kernels"))(x, w, seg, dout)
+    formula = jax.jit(lambda *a: _values_and_grads(*a, "formula"))(
+        x.astype(jnp.float32), w, seg, dout.astype(jnp.float32))
+    for name, ours, ref, tol in zip(("out", "dx", "dw"), kernels_run, formula, tols):
+        err = rel_rms(ref, np.asarray(ours, np.float32))
+        assert err <= tol, f"{name}: relative RMS {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype,width", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 3)])
+def test_kernels_match_formula(dtype, width):
+    """Values, input and weight gradients of the kernels' path against autodiff of the fp32
+    formula (math §10: FP32_TOL for fp32 inputs; BF16_OUT_TOL and BF16_GRAD_QKV_TOL for bf16),
+    over two row tiles and two column blocks of two batch rows with packed documents."""
+    x, w, dout = _operands(2, 2 * BT, 2 * BC, width, dtype)
+    seg = _segments(2, 2 * BT, 6, seed=1)
+    tols = (FP32_TOL,) * 3 if dtype == jnp.float32 else (BF16_OUT_TOL, BF16_GRAD_QKV_TOL,
+                                                           BF16_GRAD_QKV_TOL)
+    _check(x, w, seg, dout, tols)
+
+
+def test_kernels_keep_documents_apart():
+    """Each document's outputs and input gradients equal those of the document run alone (the
+    other's inputs and output gradients zeroed, one segment): nothing crosses a boundary in
+    either direction. Exact comparison of the interpreted kernels."""
+    x, w, dout = _operands(1, 2 * BT, BC, 4, jnp.float32, seed=3)
+    seg = np.zeros((1, 2 * BT), np.int32)
+    seg[0, BT - 2:] = 1  # the second document starts two rows before the tile edge
+    run = jax.jit(lambda *a: _values_and_grads(*a, "kernels")[:2])
+    both = run(x, w, seg, dout)
+    for doc in (0, 1):
+        keep = jnp.asarray(seg == doc)[..., None]
+        alone = run(jnp.where(keep, x, 0.0), w, np.zeros_like(seg), jnp.where(keep, dout, 0.0))
+        rows = seg[0] == doc
+        for ours, want in zip(both, alone):
+            np.testing.assert_array_equal(np.asarray(ours)[:, rows], np.asarray(want)[:, rows])
+
+
+def test_kernels_lower_for_an_h200():
+    """The kernels' path as the model runs it (jitted launchers, custom VJP) passes Triton's
+    lowering for an H200 at k3_small's shape; the tests above run the kernels in the
+    interpreter."""
+    x = jax.ShapeDtypeStruct((2, 2048, 768), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 768), jnp.float32)
+    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
+
+    def loss(x, w, seg):
+        return jnp.sum(kernel_conv_silu(x, w, seg).astype(jnp.float32) ** 2)
+
+    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        "NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # the forward kernel and two backward ones
+
+
+@pytest.mark.parametrize("name,shape,expected", [
+    ("x", (2, 2 * BT), "must be [B, T, C]"),
+    ("T", (2, BT + 8, BC), f"T % {BT} == 0"),
+    ("C", (2, BT, BC + 8), f"C % {BC} == 0"),
+])
+def test_kernels_reject_shapes_they_do_not_cover(name, shape, expected):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    c = shape[-1]
+    seg = jnp.zeros(shape[:2], jnp.int32)
+    with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        kernels.check_args(x, jnp.zeros((4, c)), seg)
+
+
+def test_kernels_reject_bad_taps_and_ids():
+    x = jnp.zeros((2, BT, BC), jnp.bfloat16)
+    with pytest.raises(ValueError, match="w must be"):
+        kernels.check_args(x, jnp.zeros((4, BC + 1)), jnp.zeros((2, BT), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids must be integer"):
+        kernels.check_args(x, jnp.zeros((4, BC)), jnp.zeros((2, BT), jnp.float32))
+    with pytest.raises(ValueError, match="segment_ids must be integer"):
+        conv_silu(x, jnp.zeros((4, BC)), jnp.zeros((2, BT + 1), jnp.int32), impl="pallas")
+
+
+@pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
+def test_compiled_kernels_at_k3_small_shape():
+    """Compiled kernels at k3_small's per-layer shape (8 rows of the batch, 12 documents a row)
+    against the fp32 formula, math §10 bf16 tolerances, every value finite."""
+    x, w, dout = _operands(8, 2048, 768, 4, jnp.bfloat16, seed=5)
+    _check(x, w, _segments(8, 2048, 12, seed=6), dout,
+           (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL))
