@@ -12,9 +12,9 @@ With taps ``w [W, C]`` (``w[W-1]`` on the current token) and segment ids ``seg [
 XLA fuses the gradient of the input with the weight gradient's column sums into one multi-output
 fusion, which ran at a third of memory bandwidth on an H200 (docs/benchmarks.md), and keeps the
 pre-activation from the forward for the SiLU's gradient. Here the forward writes the activation
-alone; the backward recomputes ``y`` in a first kernel that writes ``dy``, and a second writes
-``dx`` and per-tile partial sums of ``dw`` (one kernel that recomputed ``y`` on the rows past its
-tile for ``dx`` took twice as long: each program loaded ``x`` at 24 row offsets instead of 5 + 8).
+alone; the backward recomputes ``y`` in a first kernel that writes ``dy`` and per-tile partial
+sums of ``dw``, and a second writes ``dx`` from ``dy`` (one kernel that recomputed ``y`` on the
+rows past its tile for ``dx`` took twice as long: each program loaded ``x`` at 24 row offsets).
 Each program owns a ``[BLOCK_T, BLOCK_C]`` tile of one row of the batch; the rows a few tokens
 before and after it are loaded as shifted, masked windows. These are Triton kernels, not Mosaic
 GPU ones: a window shifted by one to three rows is a plain masked pointer load in Triton, while
@@ -39,7 +39,7 @@ from k3jax.devices import hopper_gpus
 F32 = jnp.float32
 # A program's tile, rows (tokens) x columns (channels), and its warps: the fastest forward +
 # backward of a sweep at k3_small's shape on an H200 (docs/benchmarks.md).
-BLOCK_T, BLOCK_C, NUM_WARPS = 64, 64, 4
+BLOCK_T, BLOCK_C, NUM_WARPS = 32, 64, 4
 MAX_WIDTH = 8  # taps the kernels unroll at most
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -103,14 +103,19 @@ def _reaches(seg_ref, b, rows, back, length, seg_rows):
     return (ok & (_segment(seg_ref, b, rows - back, length) == seg_rows))[:, None]
 
 
-def _conv(x_ref, w_ref, seg_ref, b, rows, cols, width, length):
-    """``y`` on ``rows``: ``[len(rows), BLOCK_C]`` fp32, taps summed in the reference's order."""
+def _taps(x_ref, seg_ref, b, rows, cols, width, length):
+    """What each tap reads for ``rows``: ``width`` fp32 ``[len(rows), BLOCK_C]`` windows, the
+    ``i``-th the rows ``i`` steps back, zero where that crosses the row's start or a segment."""
     seg_rows = _segment(seg_ref, b, rows, length)
-    y = jnp.zeros((rows.shape[0], cols.shape[0]), F32)
-    for back in range(width):
-        tap = _rows(x_ref, b, rows - back, cols, length)
-        y = y + jnp.where(_reaches(seg_ref, b, rows, back, length, seg_rows), tap, 0.0) * _tap(
-            w_ref, width - 1 - back, cols)
+    return [jnp.where(_reaches(seg_ref, b, rows, back, length, seg_rows),
+                      _rows(x_ref, b, rows - back, cols, length), 0.0) for back in range(width)]
+
+
+def _conv(taps, w_ref, cols):
+    """``y`` from :func:`_taps`' windows, summed in the reference's order."""
+    y = jnp.zeros(taps[0].shape, F32)
+    for back, tap in enumerate(taps):
+        y = y + tap * _tap(w_ref, len(taps) - 1 - back, cols)
     return y
 
 
@@ -128,69 +133,69 @@ def _out_block(tb):
 
 def _forward_kernel(x_ref, w_ref, seg_ref, out_ref, *, width, length):
     b, tb, rows, cols = _tile()
-    y = _conv(x_ref, w_ref, seg_ref, b, rows, cols, width, length)
+    y = _conv(_taps(x_ref, seg_ref, b, rows, cols, width, length), w_ref, cols)
     out_ref[(b, *_out_block(tb))] = (y * jax.nn.sigmoid(y)).astype(out_ref.dtype)
 
 
-def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, *, width, length):
-    """``dy = dout * silu'(y)`` on the tile, rounded to the inputs' dtype."""
+def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length):
+    """``dy = dout * silu'(y)`` on the tile, rounded to the inputs' dtype, and the tile's partial
+    sums of ``dw`` (from ``dy`` in fp32 and the windows that gave ``y``)."""
     b, tb, rows, cols = _tile()
-    y = _conv(x_ref, w_ref, seg_ref, b, rows, cols, width, length)
+    taps = _taps(x_ref, seg_ref, b, rows, cols, width, length)
+    y = _conv(taps, w_ref, cols)
     sig = jax.nn.sigmoid(y)
     dy = _rows(dout_ref, b, rows, cols, length) * sig * (1.0 + y * (1.0 - sig))
     dy_ref[(b, *_out_block(tb))] = dy.astype(dy_ref.dtype)
+    part = b * pl.num_programs(1) + tb
+    for back, tap in enumerate(taps):
+        dw_ref[part, width - 1 - back, _out_block(tb)[1]] = jnp.sum(dy * tap, axis=0)
 
 
-def _input_grads_kernel(x_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref, *, width, length):
-    """``dx`` on the tile and the tile's partial sums of ``dw``, from ``dy`` and ``x``."""
+def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length):
+    """``dx`` on the tile: each later output's gradient through the tap that reads these rows."""
     b, tb, rows, cols = _tile()
     seg_rows = _segment(seg_ref, b, rows, length)
     dx = jnp.zeros((BLOCK_T, BLOCK_C), F32)
-    for ahead in range(width):  # the outputs `ahead` rows on, whose tap `ahead` reads these rows
+    for ahead in range(width):
         later = rows + ahead
         same = (later < length) & (_segment(seg_ref, b, later, length) == seg_rows)
         dy = _rows(dy_ref, b, later, cols, length)
         dx = dx + jnp.where(same[:, None], dy, 0.0) * _tap(w_ref, width - 1 - ahead, cols)
-    dy = _rows(dy_ref, b, rows, cols, length)
-    part = b * pl.num_programs(1) + tb
-    for back in range(width):
-        tap = jnp.where(_reaches(seg_ref, b, rows, back, length, seg_rows),
-                        _rows(x_ref, b, rows - back, cols, length), 0.0)
-        dw_ref[part, width - 1 - back, pl.ds(pl.program_id(2) * BLOCK_C, BLOCK_C)] = (
-            jnp.sum(dy * tap, axis=0))
     dx_ref[(b, *_out_block(tb))] = dx.astype(dx_ref.dtype)
 
 
-def _call(kernel, x, w, out_shape, *operands, interpret: bool, name: str):
-    """``kernel`` over the grid of tiles; its name ends in ``_triton``, which is how the step
-    profiler (``benchmarks/_trace.py``) tells these kernels apart in a trace."""
-    b, t, c = x.shape
-    body = functools.partial(kernel, width=w.shape[0], length=t)
+def _call(kernel, shape, width, out_shape, *operands, interpret: bool, name: str):
+    """``kernel`` over the grid of tiles of ``shape`` ``[B, T, C]``; its name ends in ``_triton``,
+    which is how the step profiler (``benchmarks/_trace.py``) tells these kernels apart."""
+    b, t, c = shape
     return pl.pallas_call(
-        body, out_shape=out_shape, grid=(b, t // BLOCK_T, c // BLOCK_C), name=f"{name}_triton",
+        functools.partial(kernel, width=width, length=t), out_shape=out_shape,
+        grid=(b, t // BLOCK_T, c // BLOCK_C), name=f"{name}_triton",
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
-    )(x, w, *operands)
+    )(*operands)
 
 
 def conv_silu(x, w, segment_ids, *, interpret: bool = False):
     """``silu(y)`` for ``x [B, T, C]``, taps ``w [W, C]``, ``segment_ids [B, T]`` int -> ``[B, T,
     C]`` in ``x.dtype`` (fp32 math, one rounding)."""
     check_args(x, w, segment_ids)
-    return _call(_forward_kernel, x, w, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 segment_ids.astype(jnp.int32), interpret=interpret, name="conv_silu")
+    return _call(_forward_kernel, x.shape, w.shape[0], jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                 w, segment_ids.astype(jnp.int32), interpret=interpret, name="conv_silu")
 
 
 def conv_silu_vjp(x, w, segment_ids, dout, *, interpret: bool = False):
     """``(dx [B, T, C] in x.dtype, dw_parts [B * T / BLOCK_T, W, C] fp32)`` for output gradient
     ``dout``: ``dw`` is ``dw_parts.sum(0)``, one partial sum per row tile."""
     check_args(x, w, segment_ids, dout)
-    b, t, c = x.shape
+    (b, t, c), width = x.shape, w.shape[0]
     seg = segment_ids.astype(jnp.int32)
     like_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    dy = _call(_dy_kernel, x, w, like_x, seg, dout, interpret=interpret, name="conv_silu_dy")
-    out_shape = (like_x, jax.ShapeDtypeStruct((b * (t // BLOCK_T), w.shape[0], c), F32))
-    return _call(_input_grads_kernel, x, w, out_shape, seg, dy, interpret=interpret,
-                 name="conv_silu_grads")
+    parts = jax.ShapeDtypeStruct((b * (t // BLOCK_T), width, c), F32)
+    dy, dw_parts = _call(_dy_kernel, x.shape, width, (like_x, parts), x, w, seg, dout,
+                         interpret=interpret, name="conv_silu_dy")
+    dx = _call(_dx_kernel, x.shape, width, like_x, w, seg, dy, interpret=interpret,
+               name="conv_silu_dx")
+    return dx, dw_parts
 
 
 __all__ = ["BLOCK_C", "BLOCK_T", "check_args", "conv_silu", "conv_silu_vjp", "supports"]
