@@ -176,8 +176,9 @@ def category(kernel: Kernel, instr: Instr | None) -> str:
         return "copy"
     if name.endswith("_mosaic_gpu_kernel"):
         return f"mosaic:{kernel.name[:-len('_mosaic_gpu_kernel')]}"
-    if name.endswith("_triton"):  # k3jax names its Pallas Triton kernels so
-        return f"triton:{kernel.name[:-len('_triton')]}"
+    triton = re.sub(r"__\d+$", "", kernel.name)  # XLA numbers kernels of one name: NAME__1
+    if triton.endswith("_triton"):  # k3jax names its Pallas Triton kernels so
+        return f"triton:{triton[:-len('_triton')]}"
     if "sdpa" in name or "flash" in name or "cudnn::fusion" in name:
         return "attention"  # cuDNN's fused attention (no instruction to look up in a buffer)
     if instr is None:

@@ -5,9 +5,11 @@ One JSON line per (path, documents a row) with forward and forward + backward me
 bytes the ideal pass moves (forward: read ``x``, write the activation; backward: read ``x`` and the
 output gradient, write the input gradient) and the rate that implies, and XLA's time over the
 kernels'. The input is one projection of a KDA layer, bf16 ``[B, T, C]``, with fp32 taps of width
-4; one document a row, or ``--docs`` at random cuts.
+4; one document a row, or ``--docs`` at random cuts. ``--head-dim K`` L2-normalises each head's
+activation, as for q and k.
 
-    python benchmarks/short_conv.py [--shape 32,2048,768] [--docs 1,12] [--out results.jsonl]
+    python benchmarks/short_conv.py [--shape 32,2048,768] [--docs 1,12] [--head-dim K]
+                                    [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ def segments(b: int, t: int, docs: int, seed: int = 0) -> np.ndarray:
     return seg
 
 
-def paths(impl: str):
+def paths(impl: str, head_dim: int | None):
     """Jitted forward and forward + backward (the gradients of x and w) of one path."""
     def forward(x, w, seg):
-        return conv_silu(x, w, seg, impl=impl)[0]
+        return conv_silu(x, w, seg, impl=impl, head_dim=head_dim)[0]
 
     def forward_backward(x, w, seg, dout):
         return jax.vjp(lambda x, w: forward(x, w, seg), x, w)[1](dout)
@@ -47,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="32,2048,768", help="B,T,C")
     ap.add_argument("--docs", default="1,12", help="documents a row, comma-separated")
+    ap.add_argument("--head-dim", type=int, help="L2-normalise heads of this many channels")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not hopper_gpus():
@@ -62,12 +65,13 @@ def main() -> None:
         seg = jnp.asarray(segments(b, t, docs))
         times = {}
         for impl in ("pallas", "reference"):
-            fwd, grad = paths(impl)
+            fwd, grad = paths(impl, args.head_dim)
             times[impl] = (timed(fwd, (x, w, seg), 20, 5),
                            timed(grad, (x, w, seg, dout), 20, 5))
         for impl, (f, fb) in times.items():
             emit({"bench": "short_conv", "path": "kernels" if impl == "pallas" else "xla",
-                  "shape": [b, t, c], "docs": docs, "fwd_ms": round(f, 4),
+                  "shape": [b, t, c], "docs": docs, "head_dim": args.head_dim,
+                  "fwd_ms": round(f, 4),
                   "fwd_bwd_ms": round(fb, 4), "fwd_TB_s": round(2 * gb / f, 2),
                   "fwd_bwd_TB_s": round(5 * gb / fb, 2),
                   "xla_over_this": [round(times["reference"][0] / f, 2),

@@ -4,8 +4,9 @@ and backward, for a sequence from its start (math §3.1 step 2).
 With taps ``w [W, C]`` (``w[W-1]`` on the current token) and segment ids ``seg [B, T]``::
 
     y[t]  = sum_i  w[W-1-i] * x[t-i] * [t-i >= 0 and seg[t-i] == seg[t]]       (fp32)
-    out   = silu(y)                                                           (one rounding)
-    dy[s] = dout[s] * silu'(y[s])
+    a     = silu(y)
+    out   = a, or a / sqrt(sum_head a^2 + eps) per head (q and k, math §3.1 step 3; one rounding)
+    dy[s] = da[s] * silu'(y[s]),  da = dout, or (dout - out * sum_head(out * dout)) / norm
     dx[t] = sum_j  w[W-1-j] * dy[t+j] * [t+j < T and seg[t+j] == seg[t]]
     dw[W-1-i] = sum_{b,t} dy[t] * x[t-i] * [t-i >= 0 and seg[t-i] == seg[t]]
 
@@ -41,10 +42,11 @@ F32 = jnp.float32
 # backward of a sweep at k3_small's shape on an H200 (docs/benchmarks.md).
 BLOCK_T, BLOCK_C, NUM_WARPS = 32, 64, 4
 MAX_WIDTH = 8  # taps the kernels unroll at most
+HEAD_DIMS = (64, 128)  # heads the normalising kernels take: a tile's columns are one head
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def check_args(x, w, segment_ids, dout=None) -> None:
+def check_args(x, w, segment_ids, dout=None, head_dim=None) -> None:
     """ValueError naming the argument when the kernels cannot take the call."""
     if x.ndim != 3:
         raise ValueError(f"conv_silu: x must be [B, T, C], got shape {x.shape}")
@@ -60,16 +62,19 @@ def check_args(x, w, segment_ids, dout=None) -> None:
     if t % BLOCK_T or c % BLOCK_C:
         raise ValueError(f"conv_silu: the kernels need T % {BLOCK_T} == 0 and C % {BLOCK_C} == 0, "
                          f"got T={t}, C={c}")
+    if head_dim is not None and (head_dim not in HEAD_DIMS or c % head_dim):
+        raise ValueError(f"conv_silu: head_dim must be one of {HEAD_DIMS} and divide C={c}, got "
+                         f"{head_dim}")
     if dout is not None and (dout.shape != x.shape or dout.dtype != x.dtype):
         raise ValueError(f"conv_silu: dout must match x {x.shape} {x.dtype}, got {dout.shape} "
                          f"{dout.dtype}")
 
 
-def supports(x, w, segment_ids) -> bool:
+def supports(x, w, segment_ids, head_dim=None) -> bool:
     """True for the calls the GPU tests cover: an sm_90 GPU and arguments :func:`check_args`
     takes."""
     try:
-        check_args(x, w, segment_ids)
+        check_args(x, w, segment_ids, head_dim=head_dim)
     except ValueError:
         return False
     return hopper_gpus()
@@ -119,81 +124,101 @@ def _conv(taps, w_ref, cols):
     return y
 
 
-def _tile():
-    """This program's batch row, token rows and channel columns."""
+def _tile(block_c):
+    """This program's batch row, row tile, token rows and channel columns."""
     b, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    return b, tb, tb * BLOCK_T + jnp.arange(BLOCK_T), cb * BLOCK_C + jnp.arange(BLOCK_C)
+    return b, tb, tb * BLOCK_T + jnp.arange(BLOCK_T), cb * block_c + jnp.arange(block_c)
 
 
-def _out_block(tb):
-    return pl.ds(tb * BLOCK_T, BLOCK_T), pl.ds(pl.program_id(2) * BLOCK_C, BLOCK_C)
+def _out_block(tb, block_c):
+    return pl.ds(tb * BLOCK_T, BLOCK_T), pl.ds(pl.program_id(2) * block_c, block_c)
+
+
+def _activate(y, eps):
+    """``(out, sig, norm)``: the SiLU of ``y``, L2-normalised over the tile's columns (one head)
+    unless ``eps`` is None, with the sigmoid and the per-row ``1/norm`` (or None) it took."""
+    sig = jax.nn.sigmoid(y)
+    out = y * sig
+    if eps is None:
+        return out, sig, None
+    inv = jax.lax.rsqrt(jnp.sum(out * out, axis=1, keepdims=True) + eps)
+    return out * inv, sig, inv
 
 
 # -- kernels ------------------------------------------------------------------------------------
 
-def _forward_kernel(x_ref, w_ref, seg_ref, out_ref, *, width, length):
-    b, tb, rows, cols = _tile()
+def _forward_kernel(x_ref, w_ref, seg_ref, out_ref, *, width, length, block_c, eps):
+    b, tb, rows, cols = _tile(block_c)
     y = _conv(_taps(x_ref, seg_ref, b, rows, cols, width, length), w_ref, cols)
-    out_ref[(b, *_out_block(tb))] = (y * jax.nn.sigmoid(y)).astype(out_ref.dtype)
+    out_ref[(b, *_out_block(tb, block_c))] = _activate(y, eps)[0].astype(out_ref.dtype)
 
 
-def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length):
-    """``dy = dout * silu'(y)`` on the tile, rounded to the inputs' dtype, and the tile's partial
-    sums of ``dw`` (from ``dy`` in fp32 and the windows that gave ``y``)."""
-    b, tb, rows, cols = _tile()
+def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length, block_c, eps):
+    """``dy`` (the pre-activation's gradient) on the tile, rounded to the inputs' dtype, and the
+    tile's partial sums of ``dw`` (from ``dy`` in fp32 and the windows that gave ``y``)."""
+    b, tb, rows, cols = _tile(block_c)
     taps = _taps(x_ref, seg_ref, b, rows, cols, width, length)
     y = _conv(taps, w_ref, cols)
-    sig = jax.nn.sigmoid(y)
-    dy = _rows(dout_ref, b, rows, cols, length) * sig * (1.0 + y * (1.0 - sig))
-    dy_ref[(b, *_out_block(tb))] = dy.astype(dy_ref.dtype)
+    out, sig, inv = _activate(y, eps)
+    dout = _rows(dout_ref, b, rows, cols, length)
+    if inv is not None:  # through the head's L2 norm
+        dout = inv * (dout - out * jnp.sum(out * dout, axis=1, keepdims=True))
+    dy = dout * sig * (1.0 + y * (1.0 - sig))
+    dy_ref[(b, *_out_block(tb, block_c))] = dy.astype(dy_ref.dtype)
     part = b * pl.num_programs(1) + tb
     for back, tap in enumerate(taps):
-        dw_ref[part, width - 1 - back, _out_block(tb)[1]] = jnp.sum(dy * tap, axis=0)
+        dw_ref[part, width - 1 - back, _out_block(tb, block_c)[1]] = jnp.sum(dy * tap, axis=0)
 
 
-def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length):
+def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c, eps):
     """``dx`` on the tile: each later output's gradient through the tap that reads these rows."""
-    b, tb, rows, cols = _tile()
+    del eps  # never set: dx's tiles need no whole heads, the norm is behind dy already
+    b, tb, rows, cols = _tile(block_c)
     seg_rows = _segment(seg_ref, b, rows, length)
-    dx = jnp.zeros((BLOCK_T, BLOCK_C), F32)
+    dx = jnp.zeros((BLOCK_T, block_c), F32)
     for ahead in range(width):
         later = rows + ahead
         same = (later < length) & (_segment(seg_ref, b, later, length) == seg_rows)
         dy = _rows(dy_ref, b, later, cols, length)
         dx = dx + jnp.where(same[:, None], dy, 0.0) * _tap(w_ref, width - 1 - ahead, cols)
-    dx_ref[(b, *_out_block(tb))] = dx.astype(dx_ref.dtype)
+    dx_ref[(b, *_out_block(tb, block_c))] = dx.astype(dx_ref.dtype)
 
 
-def _call(kernel, shape, width, out_shape, *operands, interpret: bool, name: str):
-    """``kernel`` over the grid of tiles of ``shape`` ``[B, T, C]``; its name ends in ``_triton``,
+def _call(kernel, shape, width, norm, out_shape, *operands, interpret: bool, name: str):
+    """``kernel`` over the grid of tiles of ``shape`` ``[B, T, C]``, each a head's columns when
+    ``norm = (head_dim, eps)`` normalises them (else ``None``); its name ends in ``_triton``,
     which is how the step profiler (``benchmarks/_trace.py``) tells these kernels apart."""
     b, t, c = shape
+    block_c, eps = (BLOCK_C, None) if norm is None else norm
     return pl.pallas_call(
-        functools.partial(kernel, width=width, length=t), out_shape=out_shape,
-        grid=(b, t // BLOCK_T, c // BLOCK_C), name=f"{name}_triton",
+        functools.partial(kernel, width=width, length=t, block_c=block_c, eps=eps),
+        out_shape=out_shape, grid=(b, t // BLOCK_T, c // block_c), name=f"{name}_triton",
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
     )(*operands)
 
 
-def conv_silu(x, w, segment_ids, *, interpret: bool = False):
+def conv_silu(x, w, segment_ids, *, norm=None, interpret: bool = False):
     """``silu(y)`` for ``x [B, T, C]``, taps ``w [W, C]``, ``segment_ids [B, T]`` int -> ``[B, T,
-    C]`` in ``x.dtype`` (fp32 math, one rounding)."""
-    check_args(x, w, segment_ids)
-    return _call(_forward_kernel, x.shape, w.shape[0], jax.ShapeDtypeStruct(x.shape, x.dtype), x,
-                 w, segment_ids.astype(jnp.int32), interpret=interpret, name="conv_silu")
+    C]`` in ``x.dtype`` (fp32 math, one rounding); with ``norm = (head_dim, eps)`` each head's
+    ``head_dim`` channels L2-normalised."""
+    check_args(x, w, segment_ids, head_dim=None if norm is None else norm[0])
+    return _call(_forward_kernel, x.shape, w.shape[0], norm,
+                 jax.ShapeDtypeStruct(x.shape, x.dtype), x, w, segment_ids.astype(jnp.int32),
+                 interpret=interpret, name="conv_silu")
 
 
-def conv_silu_vjp(x, w, segment_ids, dout, *, interpret: bool = False):
+def conv_silu_vjp(x, w, segment_ids, dout, *, norm=None, interpret: bool = False):
     """``(dx [B, T, C] in x.dtype, dw_parts [B * T / BLOCK_T, W, C] fp32)`` for output gradient
-    ``dout``: ``dw`` is ``dw_parts.sum(0)``, one partial sum per row tile."""
-    check_args(x, w, segment_ids, dout)
+    ``dout`` of :func:`conv_silu` with the same ``norm``: ``dw`` is ``dw_parts.sum(0)``, one
+    partial sum per row tile."""
+    check_args(x, w, segment_ids, dout, head_dim=None if norm is None else norm[0])
     (b, t, c), width = x.shape, w.shape[0]
     seg = segment_ids.astype(jnp.int32)
     like_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
     parts = jax.ShapeDtypeStruct((b * (t // BLOCK_T), width, c), F32)
-    dy, dw_parts = _call(_dy_kernel, x.shape, width, (like_x, parts), x, w, seg, dout,
+    dy, dw_parts = _call(_dy_kernel, x.shape, width, norm, (like_x, parts), x, w, seg, dout,
                          interpret=interpret, name="conv_silu_dy")
-    dx = _call(_dx_kernel, x.shape, width, like_x, w, seg, dy, interpret=interpret,
+    dx = _call(_dx_kernel, x.shape, width, None, like_x, w, seg, dy, interpret=interpret,
                name="conv_silu_dx")
     return dx, dw_parts
 

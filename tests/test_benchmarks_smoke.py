@@ -237,3 +237,22 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
     for packed in rows[1:3]:  # on the CPU all three are the masked XLA form
         assert packed["max_abs_diff_vs_masked"] == 0.0
+
+
+def test_kernels_are_sorted_into_categories_by_name():
+    """Inside XLA's command buffers a kernel has no instruction to look up: Mosaic GPU kernels and
+    k3jax's Triton kernels (also when XLA numbers a second kernel of one name) go by their names."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _trace import Kernel, category
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def of(name):
+        return category(Kernel(name, 0.0, 1.0, None), None)
+
+    assert of("conv_silu_dy_triton") == "triton:conv_silu_dy"
+    assert of("conv_silu_dy_triton__1") == "triton:conv_silu_dy"
+    assert of("kda_wy_fwd_mosaic_gpu_kernel") == "mosaic:kda_wy_fwd"
+    assert of("nvjet_sm90_tss_128x160_64x5_2x1_v_bz_NNT") == "matmul"
+    assert of("sort_201_1") == "other"

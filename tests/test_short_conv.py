@@ -1,7 +1,8 @@
-"""KDA's short convolution with its SiLU: the Triton kernels' path (custom VJP: forward kernel,
-backward kernel, the weight gradient's partial sums) against JAX's autodiff of the fp32 formula,
-in Pallas's interpreter and lowered for an H200; on an sm_90 GPU also compiled, at k3_small's
-shape (run the GPU test as ``JAX_PLATFORMS=cuda python -m pytest -q tests/test_short_conv.py``).
+"""KDA's short convolution with its SiLU (for q and k also the per-head L2 norm): the Triton
+kernels' path (custom VJP: forward kernel, two backward kernels, the weight gradient's partial sums)
+against JAX's autodiff of the fp32 formula, in Pallas's interpreter and lowered for an H200; on an
+sm_90 GPU also compiled, at k3_small's shape (run the GPU test as ``JAX_PLATFORMS=cuda python -m
+pytest -q tests/test_short_conv.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.kda import L2_EPS
 from k3jax.ops.short_conv import conv_silu, kernel_conv_silu
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import short_conv as kernels
@@ -41,36 +43,41 @@ def _operands(b, t, c, width, dtype, seed=0):
     return x.astype(dtype), w, dout.astype(dtype)
 
 
-def _values_and_grads(x, w, seg, dout, path):
-    """``(out, dx, dw)`` of one path: ``"kernels"`` (interpreted on the CPU) or ``"formula"``."""
+def _values_and_grads(x, w, seg, dout, path, head_dim=None):
+    """``(out, dx, dw)`` of one path: ``"kernels"`` (interpreted on the CPU) or ``"formula"``;
+    with ``head_dim`` each head's activation L2-normalised."""
     def f(x, w):
         if path == "formula":
-            return conv_silu(x, w, seg, impl="reference")[0]
-        return kernel_conv_silu(x, w, seg, not hopper_gpus())
+            return conv_silu(x, w, seg, impl="reference", head_dim=head_dim)[0]
+        norm = None if head_dim is None else (head_dim, L2_EPS)
+        return kernel_conv_silu(x, w, seg, norm, not hopper_gpus())
 
     out, vjp = jax.vjp(f, x, w)
     return (out, *vjp(dout))
 
 
-def _check(x, w, seg, dout, tols):
-    kernels_run = jax.jit(lambda *a: _values_and_grads(*a, "kernels"))(x, w, seg, dout)
-    formula = jax.jit(lambda *a: _values_and_grads(*a, "formula"))(
+def _check(x, w, seg, dout, tols, head_dim=None):
+    kernels_run = jax.jit(lambda *a: _values_and_grads(*a, "kernels", head_dim))(x, w, seg, dout)
+    formula = jax.jit(lambda *a: _values_and_grads(*a, "formula", head_dim))(
         x.astype(jnp.float32), w, seg, dout.astype(jnp.float32))
     for name, ours, ref, tol in zip(("out", "dx", "dw"), kernels_run, formula, tols):
         err = rel_rms(ref, np.asarray(ours, np.float32))
         assert err <= tol, f"{name}: relative RMS {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("dtype,width", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 3)])
-def test_kernels_match_formula(dtype, width):
-    """Values, input and weight gradients of the kernels' path against autodiff of the fp32
-    formula (math §10: FP32_TOL for fp32 inputs; BF16_OUT_TOL and BF16_GRAD_QKV_TOL for bf16),
-    over two row tiles and two column blocks of two batch rows with packed documents."""
+@pytest.mark.parametrize("dtype,width,head_dim", [
+    (jnp.float32, 4, None), (jnp.bfloat16, 4, None), (jnp.float32, 3, None),
+    (jnp.float32, 4, 64), (jnp.bfloat16, 4, 128)])
+def test_kernels_match_formula(dtype, width, head_dim):
+    """Values, input and weight gradients of the kernels' path (with ``head_dim``: each head's
+    activation L2-normalised, as for q and k) against autodiff of the fp32 formula (math §10:
+    FP32_TOL for fp32 inputs; BF16_OUT_TOL and BF16_GRAD_QKV_TOL for bf16), over two row tiles
+    and two column blocks of two batch rows with packed documents."""
     x, w, dout = _operands(2, 2 * BT, 2 * BC, width, dtype)
     seg = _segments(2, 2 * BT, 6, seed=1)
     tols = (FP32_TOL,) * 3 if dtype == jnp.float32 else (BF16_OUT_TOL, BF16_GRAD_QKV_TOL,
                                                            BF16_GRAD_QKV_TOL)
-    _check(x, w, seg, dout, tols)
+    _check(x, w, seg, dout, tols, head_dim)
 
 
 def test_kernels_keep_documents_apart():
@@ -98,15 +105,16 @@ def test_kernels_lower_for_an_h200():
     w = jax.ShapeDtypeStruct((4, 768), jnp.float32)
     seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
 
-    def loss(x, w, seg):
-        return jnp.sum(kernel_conv_silu(x, w, seg).astype(jnp.float32) ** 2)
+    def loss(x, w, seg):  # v's convolution and q's (L2-normalised per head)
+        outs = kernel_conv_silu(x, w, seg), kernel_conv_silu(x, w, seg, (128, L2_EPS))
+        return sum(jnp.sum(out.astype(jnp.float32) ** 2) for out in outs)
 
     h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         "NVIDIA H200", None, "cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
             lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3  # the forward kernel and two backward ones
+    assert text.count("__gpu$xla.gpu.triton") == 6  # each: a forward kernel, two backward ones
 
 
 @pytest.mark.parametrize("name,shape,expected", [
@@ -130,6 +138,8 @@ def test_kernels_reject_bad_taps_and_ids():
         kernels.check_args(x, jnp.zeros((4, BC)), jnp.zeros((2, BT), jnp.float32))
     with pytest.raises(ValueError, match="segment_ids must be integer"):
         conv_silu(x, jnp.zeros((4, BC)), jnp.zeros((2, BT + 1), jnp.int32), impl="pallas")
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        conv_silu(x, jnp.zeros((4, BC)), impl="pallas", head_dim=48)
 
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
@@ -137,5 +147,6 @@ def test_compiled_kernels_at_k3_small_shape():
     """Compiled kernels at k3_small's per-layer shape (8 rows of the batch, 12 documents a row)
     against the fp32 formula, math §10 bf16 tolerances, every value finite."""
     x, w, dout = _operands(8, 2048, 768, 4, jnp.bfloat16, seed=5)
-    _check(x, w, _segments(8, 2048, 12, seed=6), dout,
-           (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL))
+    for head_dim in (None, 128):
+        _check(x, w, _segments(8, 2048, 12, seed=6), dout,
+               (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL), head_dim)

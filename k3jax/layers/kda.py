@@ -17,7 +17,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
-from k3jax.ops.kda import kda, kda_decode, l2_normalize
+from k3jax.ops.kda import kda, kda_decode
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
 
 
@@ -124,18 +124,16 @@ class KDALayer(nn.Module):
         k = self.cfg.kda
         x = x.astype(jnp.dtype(self.cfg.dtype))
         convs = []
-        for name, w_proj, w_conv in (("conv_q", self.w_q, self.conv_q),
-                                     ("conv_k", self.w_k, self.conv_k),
-                                     ("conv_v", self.w_v, self.conv_v)):
+        for name, w_proj, w_conv, head_dim in (("conv_q", self.w_q, self.conv_q, k.head_dim),
+                                               ("conv_k", self.w_k, self.conv_k, k.head_dim),
+                                               ("conv_v", self.w_v, self.conv_v, None)):
             state = None if cache is None else getattr(cache, name)
-            convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl))
+            convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl,
+                                   head_dim))  # q and k come L2-normalised per head
         (q, cq), (kk, ck), (v, cv) = convs
-        # Materialise the activated convolutions before the L2 norms: fused into the norms' row
-        # reductions, XLA's GPU kernels ran ~10x below memory bandwidth (15 ms of a k3_small step).
-        q, kk = jax.lax.optimization_barrier((q, kk))
         g, beta = self._gates(x)
-        o, final = kda(l2_normalize(self._heads(q)), l2_normalize(self._heads(kk)), self._heads(v),
-                       g, beta, initial_state=None if cache is None else cache.state,
+        o, final = kda(self._heads(q), self._heads(kk), self._heads(v), g, beta,
+                       initial_state=None if cache is None else cache.state,
                        output_final_state=return_cache, segment_ids=segment_ids,
                        chunk_size=k.chunk_size, impl=k.impl)
         out = self._output(x, o.astype(x.dtype))
@@ -146,12 +144,13 @@ class KDALayer(nn.Module):
         """``x [B, d]`` and the cache -> ``(y [B, d], new cache)``; the recurrence step of math
         §3.4."""
         x = x.astype(jnp.dtype(self.cfg.dtype))
-        q, cq = conv_silu_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q)
-        kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k)
+        head_dim = self.cfg.kda.head_dim
+        q, cq = conv_silu_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q, head_dim)
+        kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k, head_dim)
         v, cv = conv_silu_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
         g, beta = self._gates(x)
-        o, state = kda_decode(l2_normalize(self._heads(q)), l2_normalize(self._heads(kk)),
-                              self._heads(v), g, beta, cache.state)
+        o, state = kda_decode(self._heads(q), self._heads(kk), self._heads(v), g, beta,
+                              cache.state)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)
 
     # -- extending a cache (prefill chunks, decode steps) --------------------------------------

@@ -4,10 +4,11 @@ The weight ``[W, C]`` applies ``w[W-1]`` to the current token and ``w[W-1-i]`` t
 steps back. A tap never reads across a segment boundary, so packed documents stay independent.
 The decode state holds the last ``W-1`` inputs ``[B, W-1, C]``, oldest first.
 
-:func:`conv_silu` is what the layer runs: the convolution and its SiLU in fp32, rounded once. On a
-Hopper GPU a sequence from its start (no state) takes the Triton kernels of
-:mod:`pallas_kernels.short_conv` forward and backward; otherwise, and with ``impl="reference"``,
-the formula below under JAX's autodiff, which is also the kernels' reference.
+:func:`conv_silu` is what the layer runs: the convolution and its SiLU in fp32 (for q and k also
+the per-head L2 norm of step 3), rounded once. On a Hopper GPU a sequence from its start (no
+state) takes the Triton kernels of :mod:`pallas_kernels.short_conv` forward and backward;
+otherwise, and with ``impl="reference"``, the formula below under JAX's autodiff, which is also the
+kernels' reference.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.kda import L2_EPS
 
 F32 = jnp.float32
 
@@ -49,10 +51,12 @@ def _with_state(x, state, width: int) -> jax.Array:
 
 
 def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
-              state: jax.Array | None = None, impl: str = "auto"
+              state: jax.Array | None = None, impl: str = "auto", head_dim: int | None = None
               ) -> tuple[jax.Array, jax.Array]:
     """``(silu(conv(x)) [B, T, C] in x.dtype, new_state [B, W-1, C])``: the causal depthwise
-    convolution and its SiLU, computed in fp32 and rounded once.
+    convolution and its SiLU, computed in fp32 and rounded once; with ``head_dim``, each head's
+    ``head_dim`` channels are L2-normalised before the rounding (math §3.1 step 3, as
+    :func:`k3jax.ops.kda.l2_normalize`).
 
     Args:
       x: ``[B, T, C]`` inputs.
@@ -71,29 +75,44 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
 
         seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if impl == "pallas":
-            short_conv.check_args(x, w, seg)
-        if impl == "pallas" or short_conv.supports(x, w, seg):
-            return kernel_conv_silu(x, w, seg), _with_state(x, None, w.shape[0])[:, x.shape[1]:]
+            short_conv.check_args(x, w, seg, head_dim=head_dim)
+        if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):
+            norm = None if head_dim is None else (head_dim, L2_EPS)
+            return (kernel_conv_silu(x, w, seg, norm),
+                    _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     y, new_state = _conv32(x, w, segment_ids, state)
-    return jax.nn.silu(y).astype(x.dtype), new_state
+    return _activate(y, head_dim).astype(x.dtype), new_state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def kernel_conv_silu(x, w, segment_ids, interpret: bool = False):
-    """:func:`conv_silu`'s kernel path for a sequence from its start: ``silu(conv(x))`` with the
-    kernels' gradients (``segment_ids [B, T]`` int, required). ``interpret``: run the kernels in
-    Pallas's interpreter (CPU tests)."""
-    return _launcher("conv_silu")(x, w, segment_ids, interpret=interpret)
+def _activate(y32: jax.Array, head_dim: int | None) -> jax.Array:
+    """SiLU of the fp32 pre-activation ``[..., C]``, L2-normalised per head when ``head_dim``."""
+    out = jax.nn.silu(y32)
+    if head_dim is None:
+        return out
+    # Materialised before the norm: fused into its row reductions, XLA's GPU kernels ran ~10x
+    # below memory bandwidth (15 ms of a k3_small step).
+    out = jax.lax.optimization_barrier(out).reshape(*out.shape[:-1], -1, head_dim)
+    out = out * jax.lax.rsqrt(jnp.sum(out * out, axis=-1, keepdims=True) + L2_EPS)
+    return out.reshape(*out.shape[:-2], -1)
 
 
-def _kernel_fwd(x, w, segment_ids, interpret):
-    return kernel_conv_silu(x, w, segment_ids, interpret), (x, w, segment_ids)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def kernel_conv_silu(x, w, segment_ids, norm=None, interpret: bool = False):
+    """:func:`conv_silu`'s kernel path for a sequence from its start, with the kernels'
+    gradients (``segment_ids [B, T]`` int, required). ``norm``: ``(head_dim, eps)`` to
+    L2-normalise each head, or None. ``interpret``: run the kernels in Pallas's interpreter (CPU
+    tests)."""
+    return _launcher("conv_silu")(x, w, segment_ids, norm=norm, interpret=interpret)
 
 
-def _kernel_bwd(interpret, res, dout):
+def _kernel_fwd(x, w, segment_ids, norm, interpret):
+    return kernel_conv_silu(x, w, segment_ids, norm, interpret), (x, w, segment_ids)
+
+
+def _kernel_bwd(norm, interpret, res, dout):
     x, w, segment_ids = res
     dx, dw_parts = _launcher("conv_silu_vjp")(x, w, segment_ids, dout.astype(x.dtype),
-                                              interpret=interpret)
+                                              norm=norm, interpret=interpret)
     return dx, jnp.sum(dw_parts, axis=0).astype(w.dtype), None
 
 
@@ -106,13 +125,14 @@ def _launcher(name: str):
     every layer's call shares one lowering."""
     from pallas_kernels import short_conv
     from pallas_kernels._mgpu import shared_lowering
-    return shared_lowering(getattr(short_conv, name), ())
+    return shared_lowering(getattr(short_conv, name), ("norm",))
 
 
-def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One decode token of :func:`conv_silu`: ``(silu(y) [B, C] in x.dtype, new_state)``."""
+def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """One decode token of :func:`conv_silu`: ``(activation [B, C] in x.dtype, new_state)``."""
     y, new_state = _step32(x, w, state)
-    return jax.nn.silu(y).astype(x.dtype), new_state
+    return _activate(y, head_dim).astype(x.dtype), new_state
 
 
 def _step32(x, w, state):
