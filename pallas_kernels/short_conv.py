@@ -16,8 +16,9 @@ pre-activation from the forward for the SiLU's gradient. Here the forward writes
 alone; the backward recomputes ``y`` in a first kernel that writes ``dy`` and per-tile partial
 sums of ``dw``, and a second writes ``dx`` from ``dy`` (one kernel that recomputed ``y`` on the
 rows past its tile for ``dx`` took twice as long: each program loaded ``x`` at 24 row offsets).
-Each program owns a ``[BLOCK_T, BLOCK_C]`` tile of one row of the batch; the rows a few tokens
-before and after it are loaded as shifted, masked windows. These are Triton kernels, not Mosaic
+Each program owns a tile of ``BLOCK_T`` tokens of one row of the batch by ``BLOCK_C`` channels
+(one head's when the kernels normalise heads); the rows a few tokens before and after it are
+loaded as shifted, masked windows. These are Triton kernels, not Mosaic
 GPU ones: a window shifted by one to three rows is a plain masked pointer load in Triton, while
 Mosaic GPU's tiled shared-memory copies start on whole tiles (Mosaic GPU kernels for this were
 slower than XLA's fusions; docs/benchmarks.md). jax 0.11.2 warns that its Pallas Triton backend is
