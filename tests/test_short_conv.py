@@ -150,3 +150,27 @@ def test_compiled_kernels_at_k3_small_shape():
     for head_dim in (None, 128):
         _check(x, w, _segments(8, 2048, 12, seed=6), dout,
                (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL), head_dim)
+
+
+@pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
+def test_kda_layer_on_the_kernels_continues_from_its_cache():
+    """A KDA layer's sequence from its start takes the kernels (q and k normalised in them); a
+    continuation from its cache takes the formula with the convolutions' state. The two halves
+    equal one run (bf16; math §10 output tolerance)."""
+    from helpers import small_config
+
+    from k3jax.config import KDAConfig
+    from k3jax.layers.kda import KDALayer
+
+    cfg = small_config(d_model=256, dtype="bfloat16",
+                       kda=KDAConfig(num_heads=2, head_dim=128, gate_rank=16))
+    layer = KDALayer(cfg)
+    x = jax.random.normal(jax.random.key(7), (2, 4 * BT, cfg.d_model), jnp.bfloat16)
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    run = jax.jit(layer.apply, static_argnames="return_cache")
+    assert "__gpu$xla.gpu.triton" in run.lower(variables, x).as_text()
+    full = run(variables, x)
+    first, cache = run(variables, x[:, :2 * BT], return_cache=True)
+    second = run(variables, x[:, 2 * BT:], cache=cache)
+    both = np.concatenate([np.asarray(first, np.float32), np.asarray(second, np.float32)], 1)
+    assert rel_rms(np.asarray(full, np.float32), both) <= BF16_OUT_TOL
