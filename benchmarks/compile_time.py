@@ -69,6 +69,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 jax.config.update("jax_enable_compilation_cache", False)
 
 from k3jax.config.experiment import apply_overrides  # noqa: E402
+from k3jax.devices import hopper_target  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
 from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
 from k3jax.train.loop import compile_step_async  # noqa: E402
@@ -169,11 +170,12 @@ def kernel_compiles(cfg, batch: dict) -> list[dict]:
         eqn = eqns[0]
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
         call = lambda *a, e=eqn: e.primitive.bind(*a, **e.params)  # noqa: E731
-        traced = jax.jit(call).trace(*avals)
-        t0 = time.perf_counter()
         # Without a GPU the kernel is only lowered for one (a check that it still builds).
-        lowered = traced.lower() if on_gpu else traced.lower(lowering_platforms=("cuda",))
-        t1 = time.perf_counter()
+        with contextlib.nullcontext() if on_gpu else hopper_target():
+            traced = jax.jit(call).trace(*avals)
+            t0 = time.perf_counter()
+            lowered = traced.lower() if on_gpu else traced.lower(lowering_platforms=("cuda",))
+            t1 = time.perf_counter()
         if on_gpu:
             lowered.compile()
         rows.append({"kernel": name, "calls": len(eqns), "lower_s": round(t1 - t0, 2),

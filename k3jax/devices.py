@@ -15,3 +15,12 @@ def hopper_gpus(count: int = 1) -> bool:
     if jax.default_backend() != "gpu" or jax.device_count() < count:
         return False
     return all(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices())
+
+
+def hopper_target():
+    """A context in which ``.lower(lowering_platforms=("cuda",))`` builds GPU kernels for an H200
+    where there is none (a CPU): Triton's lowering asks the device for its compute capability,
+    which an abstract device answers. Mosaic GPU kernels lower without it."""
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",),
+                                                                    abstract_device=h200))

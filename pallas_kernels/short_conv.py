@@ -187,13 +187,15 @@ def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c, eps):
 
 def _call(kernel, shape, width, norm, out_shape, *operands, interpret: bool, name: str):
     """``kernel`` over the grid of tiles of ``shape`` ``[B, T, C]``, each a head's columns when
-    ``norm = (head_dim, eps)`` normalises them (else ``None``); its name ends in ``_triton``,
-    which is how the step profiler (``benchmarks/_trace.py``) tells these kernels apart."""
+    ``norm = (head_dim, eps)`` normalises them (else ``None``). Its name ends in ``_l2`` when it
+    normalises, then in ``_triton``, which is how the step profiler (``benchmarks/_trace.py``)
+    tells these kernels apart."""
     b, t, c = shape
     block_c, eps = (BLOCK_C, None) if norm is None else norm
+    name = f"{name}_triton" if norm is None else f"{name}_l2_triton"
     return pl.pallas_call(
         functools.partial(kernel, width=width, length=t, block_c=block_c, eps=eps),
-        out_shape=out_shape, grid=(b, t // BLOCK_T, c // block_c), name=f"{name}_triton",
+        out_shape=out_shape, grid=(b, t // BLOCK_T, c // block_c), name=name,
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
     )(*operands)
 

@@ -106,16 +106,21 @@ def test_compile_time_of_the_train_step(how):
 
 def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
     """``--parts kernels`` on the Pallas KDA path: its nine kernels (forward and backward) found
-    in the gradient, each once, and lowered for sm_90 (compiled only where there is a GPU)."""
+    in the gradient, each once, and the short convolutions' (q and k normalising, v not; the
+    input gradient shared), each lowered for sm_90 (compiled only where there is a GPU)."""
     rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL[:4],
                  "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
                  "--batch", "1", "--seq", "64", "--parts", "kernels"])
     kernels = {r["kernel"]: r for r in rows if "kernel" in r}
-    assert set(kernels) == {f"kda_{part}" for part in (
+    kda = {f"kda_{part}" for part in (
         "cumsum_gates", "scores_fwd", "wy_fwd", "state_fwd", "state_bwd", "state_grads",
-        "wy_bwd", "scores_bwd", "cumsum_bwd")}, sorted(kernels)
-    assert all(r["calls"] == 1 and r["module_chars"] > 0 and r["lower_s"] > 0
-               for r in kernels.values())
+        "wy_bwd", "scores_bwd", "cumsum_bwd")}
+    conv = {"conv_silu_l2_triton": 2, "conv_silu_triton": 1, "conv_silu_dy_l2_triton": 2,
+            "conv_silu_dy_triton": 1, "conv_silu_dx_triton": 3}
+    assert set(kernels) == kda | set(conv), sorted(kernels)
+    assert {name: kernels[name]["calls"] for name in conv} == conv
+    assert all(kernels[name]["calls"] == 1 for name in kda)
+    assert all(r["module_chars"] > 0 and r["lower_s"] > 0 for r in kernels.values())
     (total,) = [r for r in rows if "kernels" in r]
     assert total["kernels"] == len(kernels) and total["compile_s"] is None  # nothing compiled
     assert total["lower_s"] == pytest.approx(sum(r["lower_s"] for r in kernels.values()), abs=0.01)

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice
 
-from k3jax.devices import hopper_gpus
+from k3jax.devices import hopper_gpus, hopper_target
 from k3jax.ops.kda import L2_EPS
 from k3jax.ops.short_conv import conv_silu, kernel_conv_silu
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
@@ -109,9 +108,7 @@ def test_kernels_lower_for_an_h200():
         outs = kernel_conv_silu(x, w, seg), kernel_conv_silu(x, w, seg, (128, L2_EPS))
         return sum(jnp.sum(out.astype(jnp.float32) ** 2) for out in outs)
 
-    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        "NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(h200):
+    with hopper_target():
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 6  # each: a forward kernel, two backward ones
