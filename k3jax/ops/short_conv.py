@@ -64,9 +64,10 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
       segment_ids: ``[B, T]`` int or None; taps only reach tokens of the same segment.
       state: ``[B, W-1, C]`` inputs preceding ``x`` (a continued sequence), or None for zeros. They
         belong to the segment of ``x``'s first token.
-      impl: ``"pallas"`` runs the kernels (ValueError when they cannot take the call), ``"auto"``
-        where they can (a Hopper GPU, no ``state``, tile-aligned shapes), anything else (the KDA
-        layer passes its own ``impl``) the formula.
+      impl: for a sequence from its start (no ``state``), ``"pallas"`` runs the kernels
+        (ValueError when they cannot take the call) and ``"auto"`` runs them where they can (a
+        Hopper GPU, tile-aligned shapes). Anything else (the KDA layer passes its own ``impl``),
+        and a continued sequence, takes the formula.
     Returns:
       The activation and ``new_state``, the last ``W-1`` inputs.
     """
