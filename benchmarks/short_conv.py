@@ -5,8 +5,8 @@ One JSON line per (path, documents a row) with forward and forward + backward me
 bytes the ideal pass moves (forward: read ``x``, write the activation; backward: read ``x`` and the
 output gradient, write the input gradient) and the rate that implies, and XLA's time over the
 kernels'. The input is one projection of a KDA layer, bf16 ``[B, T, C]``, with fp32 taps of width
-4; one document a row, or ``--docs`` at random cuts. ``--head-dim K`` L2-normalises each head's
-activation, as for q and k.
+4; one document a row, or up to ``--docs`` at random cuts (row ``b`` holds ``1 + b % docs``, as
+in the other benchmarks). ``--head-dim K`` L2-normalises each head's activation, as for q and k.
 
     python benchmarks/short_conv.py [--shape 32,2048,768] [--docs 1,12] [--head-dim K]
                                     [--out results.jsonl]
@@ -18,20 +18,11 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from _data import packed_segments
 from _timing import emit, timed
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.short_conv import conv_silu
-
-
-def segments(b: int, t: int, docs: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    seg = np.zeros((b, t), np.int32)
-    for row in range(b):
-        for cut in rng.choice(np.arange(1, t), docs - 1, replace=False):
-            seg[row, cut:] += 1
-    return seg
 
 
 def paths(impl: str, head_dim: int | None):
@@ -48,7 +39,7 @@ def paths(impl: str, head_dim: int | None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="32,2048,768", help="B,T,C")
-    ap.add_argument("--docs", default="1,12", help="documents a row, comma-separated")
+    ap.add_argument("--docs", default="1,12", help="most documents a row, comma-separated")
     ap.add_argument("--head-dim", type=int, help="L2-normalise heads of this many channels")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -62,7 +53,7 @@ def main() -> None:
     gb = x.size * x.dtype.itemsize / 1e9
     out = open(args.out, "a") if args.out else None
     for docs in map(int, args.docs.split(",")):
-        seg = jnp.asarray(segments(b, t, docs))
+        seg = jnp.asarray(packed_segments(b, t, docs))
         times = {}
         for impl in ("pallas", "reference"):
             fwd, grad = paths(impl, args.head_dim)

@@ -98,7 +98,7 @@ def _segment(seg_ref, b, rows, length):
 
 
 def _tap(w_ref, k, cols):
-    """Tap ``w[k]`` on the tile's columns, ``[1, BLOCK_C]`` fp32."""
+    """Tap ``w[k]`` on the tile's columns, ``[1, len(cols)]`` fp32."""
     return plt.load(w_ref.at[k, cols]).astype(F32)[None, :]
 
 
@@ -110,7 +110,7 @@ def _reaches(seg_ref, b, rows, back, length, seg_rows):
 
 
 def _taps(x_ref, seg_ref, b, rows, cols, width, length):
-    """What each tap reads for ``rows``: ``width`` fp32 ``[len(rows), BLOCK_C]`` windows, the
+    """What each tap reads for ``rows``: ``width`` fp32 ``[len(rows), len(cols)]`` windows, the
     ``i``-th the rows ``i`` steps back, zero where that crosses the row's start or a segment."""
     seg_rows = _segment(seg_ref, b, rows, length)
     return [jnp.where(_reaches(seg_ref, b, rows, back, length, seg_rows),
@@ -171,9 +171,9 @@ def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length
         dw_ref[part, width - 1 - back, _out_block(tb, block_c)[1]] = jnp.sum(dy * tap, axis=0)
 
 
-def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c, eps):
-    """``dx`` on the tile: each later output's gradient through the tap that reads these rows."""
-    del eps  # never set: dx's tiles need no whole heads, the norm is behind dy already
+def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c):
+    """``dx`` on the tile: each later output's gradient through the tap that reads these rows
+    (any norm is behind ``dy`` already, so its tiles need no whole heads)."""
     b, tb, rows, cols = _tile(block_c)
     seg_rows = _segment(seg_ref, b, rows, length)
     dx = jnp.zeros((BLOCK_T, block_c), F32)
@@ -185,17 +185,24 @@ def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c, eps):
     dx_ref[(b, *_out_block(tb, block_c))] = dx.astype(dx_ref.dtype)
 
 
-def _call(kernel, shape, width, norm, out_shape, *operands, interpret: bool, name: str):
-    """``kernel`` over the grid of tiles of ``shape`` ``[B, T, C]``, each a head's columns when
-    ``norm = (head_dim, eps)`` normalises them (else ``None``). Its name ends in ``_l2`` when it
-    normalises, then in ``_triton``, which is how the step profiler (``benchmarks/_trace.py``)
-    tells these kernels apart."""
-    b, t, c = shape
+def _norm_args(norm) -> dict:
+    """The forward and ``dy`` kernels' ``block_c`` and ``eps`` for ``norm = (head_dim, eps)``
+    (tiles one head wide) or None (tiles of ``BLOCK_C``, no norm)."""
     block_c, eps = (BLOCK_C, None) if norm is None else norm
-    name = f"{name}_triton" if norm is None else f"{name}_l2_triton"
+    return {"block_c": block_c, "eps": eps}
+
+
+def _call(kernel, shape, out_shape, *operands, interpret: bool, name: str, block_c=BLOCK_C,
+          **static):
+    """``kernel`` over the grid of ``[BLOCK_T, block_c]`` tiles of ``shape`` ``[B, T, C]``, with
+    the keywords ``static``. Its name ends in ``_l2`` when it normalises heads (``eps`` given),
+    then in ``_triton``, which is how the step profiler (``benchmarks/_trace.py``) tells these
+    kernels apart."""
+    b, t, c = shape
+    suffix = "_triton" if static.get("eps") is None else "_l2_triton"
     return pl.pallas_call(
-        functools.partial(kernel, width=width, length=t, block_c=block_c, eps=eps),
-        out_shape=out_shape, grid=(b, t // BLOCK_T, c // block_c), name=name,
+        functools.partial(kernel, length=t, block_c=block_c, **static), out_shape=out_shape,
+        grid=(b, t // BLOCK_T, c // block_c), name=name + suffix,
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
     )(*operands)
 
@@ -205,9 +212,9 @@ def conv_silu(x, w, segment_ids, *, norm=None, interpret: bool = False):
     C]`` in ``x.dtype`` (fp32 math, one rounding); with ``norm = (head_dim, eps)`` each head's
     ``head_dim`` channels L2-normalised."""
     check_args(x, w, segment_ids, head_dim=None if norm is None else norm[0])
-    return _call(_forward_kernel, x.shape, w.shape[0], norm,
-                 jax.ShapeDtypeStruct(x.shape, x.dtype), x, w, segment_ids.astype(jnp.int32),
-                 interpret=interpret, name="conv_silu")
+    return _call(_forward_kernel, x.shape, jax.ShapeDtypeStruct(x.shape, x.dtype), x, w,
+                 segment_ids.astype(jnp.int32), interpret=interpret, name="conv_silu",
+                 width=w.shape[0], **_norm_args(norm))
 
 
 def conv_silu_vjp(x, w, segment_ids, dout, *, norm=None, interpret: bool = False):
@@ -219,10 +226,11 @@ def conv_silu_vjp(x, w, segment_ids, dout, *, norm=None, interpret: bool = False
     seg = segment_ids.astype(jnp.int32)
     like_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
     parts = jax.ShapeDtypeStruct((b * (t // BLOCK_T), width, c), F32)
-    dy, dw_parts = _call(_dy_kernel, x.shape, width, norm, (like_x, parts), x, w, seg, dout,
-                         interpret=interpret, name="conv_silu_dy")
-    dx = _call(_dx_kernel, x.shape, width, None, like_x, w, seg, dy, interpret=interpret,
-               name="conv_silu_dx")
+    dy, dw_parts = _call(_dy_kernel, x.shape, (like_x, parts), x, w, seg, dout,
+                         interpret=interpret, name="conv_silu_dy", width=width,
+                         **_norm_args(norm))
+    dx = _call(_dx_kernel, x.shape, like_x, w, seg, dy, interpret=interpret, name="conv_silu_dx",
+               width=width)
     return dx, dw_parts
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
-from k3jax.ops.kda import L2_EPS
+from k3jax.ops.kda import L2_EPS, l2_normalize
 
 F32 = jnp.float32
 
@@ -75,9 +75,7 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
         from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
 
         seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-        if impl == "pallas":
-            short_conv.check_args(x, w, seg, head_dim=head_dim)
-        if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):
+        if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):  # the kernels check
             norm = None if head_dim is None else (head_dim, L2_EPS)
             return (kernel_conv_silu(x, w, seg, norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
@@ -92,8 +90,7 @@ def _activate(y32: jax.Array, head_dim: int | None) -> jax.Array:
         return out
     # Materialised before the norm: fused into its row reductions, XLA's GPU kernels ran ~10x
     # below memory bandwidth (15 ms of a k3_small step).
-    out = jax.lax.optimization_barrier(out).reshape(*out.shape[:-1], -1, head_dim)
-    out = out * jax.lax.rsqrt(jnp.sum(out * out, axis=-1, keepdims=True) + L2_EPS)
+    out = l2_normalize(jax.lax.optimization_barrier(out).reshape(*out.shape[:-1], -1, head_dim))
     return out.reshape(*out.shape[:-2], -1)
 
 
