@@ -101,8 +101,8 @@ class K3Model(nn.Module):
             state = self._segment(plan, state, segment_ids, deterministic, caches, new_caches,
                                   context)
 
-        h = make_final_read(cfg)(state)
-        h = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(h)
+        h = make_final_read(cfg)(state, RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype,
+                                                name="final_norm"))
         h = constrain(h, ACTIVATION_AXES)
         head = self.param("head", normal(cfg.init_std, ("embed", "vocab")),
                           (cfg.d_model, cfg.vocab_size), pdt)

@@ -12,13 +12,14 @@ sizes (Full AttnRes, and commits on FFN sub-layers) and scans that start mid-blo
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import small_config
 
-from k3jax.config import ResidualConfig
+from k3jax.config import ModelConfig, ResidualConfig
 from k3jax.layers.attnres import (
     AttnResFinalRead,
     AttnResidual,
@@ -29,6 +30,7 @@ from k3jax.layers.attnres import (
     settle,
     split_state,
 )
+from k3jax.layers.norms import RMSNorm
 from k3jax.model import K3Model, abstract_variables, init_variables
 from k3jax.ops.attnres import (
     attnres_reference,
@@ -37,6 +39,7 @@ from k3jax.ops.attnres import (
     depth_mix_reference,
     full_attnres_reference,
 )
+from k3jax.ops.rms_norm import rms_norm
 from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 from k3jax.stack import plan_segments, unroll_params
 
@@ -130,7 +133,31 @@ def _toy(seed=0, l_sub=L_SUB):
 
 
 def _fns(mats):
-    return [lambda x, m=m: jnp.tanh(x @ m) for m in mats]
+    """The toy sub-layers on a raw read: each normalises it first, as the rule's read does."""
+    return [lambda h, m=m: _toy_sublayer(_norm(h), m) for m in mats]
+
+
+def _toy_sublayer(x, m):
+    return jnp.tanh(x @ m)
+
+
+def _norm(h):
+    """The pre-norm of the rule tests: weight 1, the rule's epsilon."""
+    return rms_norm(h, None, EPS)
+
+
+class _Wired(nn.Module):
+    """A rule and the pre-norm after its read (weight 1), wired as the decoder wires them: the
+    sub-layer ``j``'s read, or with ``j`` None the final read."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, state, j=None):
+        norm = RMSNorm(EPS, name="norm")
+        if j is None:
+            return AttnResFinalRead(self.cfg, name="rule")(state, norm)
+        return AttnResidual(self.cfg, name="rule").read(state, j, norm)
 
 
 def _rule_cfg(block, num_layers=L_SUB // 2):
@@ -138,15 +165,25 @@ def _rule_cfg(block, num_layers=L_SUB // 2):
                         residual=ResidualConfig(kind="attnres", block_size_sublayers=block))
 
 
-def _rule_params(queries, norms, j):
-    return {"params": {"query": queries[j], "key_norm": norms[j]}}
+def _rule_params(query, key_norm):
+    return {"params": {"rule": {"query": query, "key_norm": key_norm},
+                       "norm": {"scale": jnp.ones(D)}}}
+
+
+def _read(cfg, j, query, key_norm, state):
+    return _Wired(cfg).apply(_rule_params(query, key_norm), state, j)
+
+
+def _write(cfg, j, state, out):
+    """The rule's bookkeeping (its parameters unused)."""
+    unused = {"params": {"query": jnp.zeros(D), "key_norm": jnp.ones(D)}}
+    return AttnResidual(cfg).apply(unused, state, out, j, method=AttnResidual.write)
 
 
 def _apply_rule(cfg, j, queries, norms, state, m):
-    """Sub-layer ``j`` through the model's rule: read, the toy ``tanh(h @ m)``, write."""
-    rule, p = AttnResidual(cfg), _rule_params(queries, norms, j)
-    h = rule.apply(p, state, j, method=AttnResidual.read)
-    return h, rule.apply(p, state, jnp.tanh(h @ m), j, method=AttnResidual.write)
+    """Sub-layer ``j`` through the model's rule: read (with its norm), the toy sub-layer, write."""
+    x = _read(cfg, j, queries[j], norms[j], state)
+    return x, _write(cfg, j, state, _toy_sublayer(x, m))
 
 
 def _run_rule_unrolled(cfg, e, mats, queries, norms, record=None):
@@ -156,14 +193,14 @@ def _run_rule_unrolled(cfg, e, mats, queries, norms, record=None):
         h, state = _apply_rule(cfg, j, queries, norms, state, m)
         if record is not None:
             record.append((h, state))
-    return AttnResFinalRead(cfg).apply(_rule_params(queries, norms, -1), state)
+    return _read(cfg, None, queries[-1], norms[-1], state)
 
 
 def _run_rule_scanned(cfg, e, mats, queries, norms, static_head=0):
     """As the model runs it: block by block; in each block ``static_head`` sub-layers with static
     ``j``, the rest a ``lax.scan`` with traced ``j`` carrying only the partial sum (zeros at a block
     start), the completed blocks a loop-invariant input; settle after the scan."""
-    rule, s = AttnResidual(cfg), block_size(cfg)
+    s = block_size(cfg)
     state = initial_state(cfg, e)
     for lo in range(0, len(mats), s):
         hi = min(lo + s, len(mats))
@@ -176,27 +213,25 @@ def _run_rule_scanned(cfg, e, mats, queries, norms, static_head=0):
 
         def body(partial, xs, blocks=blocks):
             j, m, q, g = xs
-            p = {"params": {"query": q, "key_norm": g}}
             st = join_state(partial, blocks)
-            h = rule.apply(p, st, j, method=AttnResidual.read)
-            return rule.apply(p, st, jnp.tanh(h @ m), j, method=AttnResidual.write).partial, None
+            return _write(cfg, j, st, _toy_sublayer(_read(cfg, j, q, g, st), m)).partial, None
 
         xs = (jnp.arange(first, hi, dtype=jnp.int32), mats[first:hi], queries[first:hi],
               norms[first:hi])
         partial, _ = jax.lax.scan(body, partial, xs)
         state = settle(cfg, join_state(partial, blocks), hi)
-    return AttnResFinalRead(cfg).apply(_rule_params(queries, norms, -1), state)
+    return _read(cfg, None, queries[-1], norms[-1], state)
 
 
 def _runners(block):
-    """The four ways to run a toy stack, each jitted: ``(e, mats, queries, norms) -> h``."""
+    """The ways to run a toy stack: ``(e, mats, queries, norms) -> the final norm's output``."""
     cfg = _rule_cfg(block)
     return {
-        "reference": lambda e, m, q, n: attnres_reference(e, _fns(m), q, n, block, EPS),
+        "reference": lambda e, m, q, n: _norm(attnres_reference(e, _fns(m), q, n, block, EPS)),
         "rule, static j": lambda *a: _run_rule_unrolled(cfg, *a),
         "rule, traced j": lambda *a: _run_rule_scanned(cfg, *a),
         "rule, static head + traced j": lambda *a: _run_rule_scanned(cfg, *a, static_head=1),
-        "two-phase": lambda e, m, q, n: attnres_two_phase(e, _fns(m), q, n, block, EPS),
+        "two-phase": lambda e, m, q, n: _norm(attnres_two_phase(e, _fns(m), q, n, block, EPS)),
     }
 
 
@@ -224,7 +259,7 @@ def test_rule_static_and_traced_and_two_phase_equal_the_spec_bookkeeping(block):
 def test_full_attnres_without_bookkeeping_equals_block_size_one():
     """(The rule and the two-phase form are held against block size 1 in the test above.)"""
     args = _toy(7)
-    full = jax.jit(lambda e, m, q, n: full_attnres_reference(e, _fns(m), q, n, EPS))(*args)
+    full = jax.jit(lambda e, m, q, n: _norm(full_attnres_reference(e, _fns(m), q, n, EPS)))(*args)
     assert rel_rms(full, jax.jit(_runners(1)["reference"])(*args)) <= FP32_TOL
 
 
@@ -264,9 +299,9 @@ def test_three_sublayers_by_hand_source_lists_of_spec5(block):
     record = []
     cfg = _rule_cfg(block)
     h = _run_rule_unrolled(cfg, e, mats, queries, norms, record)
-    assert rel_rms(want_h, h) <= FP32_TOL
+    assert rel_rms(_norm(want_h), h) <= FP32_TOL
     for j, ((x, state), want_x) in enumerate(zip(record, [x0, x1, x2])):
-        assert rel_rms(want_x, x) <= FP32_TOL, j
+        assert rel_rms(_norm(want_x), x) <= FP32_TOL, j
         assert (state.partial is None) == (want_partial[j] is None), j
         if want_partial[j] is not None:
             assert rel_rms(want_partial[j], state.partial) <= FP32_TOL, j

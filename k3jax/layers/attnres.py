@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.param import ones, zeros
-from k3jax.ops.attnres import depth_mix
+from k3jax.ops.attnres import depth_mix, depth_mix_norm
 
 
 class AttnResState(NamedTuple):
@@ -108,26 +108,33 @@ class _DepthMix(nn.Module):
         self.key_norm = self.param("key_norm", ones(("norm",)), (d,), pdt)
 
     def mix(self, state: AttnResState, partial_valid=True) -> jax.Array:
-        h, alpha = depth_mix(state.blocks, state.partial, self.query, self.key_norm,
-                             self.cfg.rms_eps, partial_valid)
+        """The read alone, ``h [B, T, d]``, of ``state``'s sources."""
+        return depth_mix(state.blocks, state.partial, self.query, self.key_norm, self.cfg.rms_eps,
+                         partial_valid)[0]
+
+    def normed(self, state: AttnResState, norm: nn.Module, partial_valid=True) -> jax.Array:
+        """``norm(mix(state))`` in one op (:func:`~k3jax.ops.attnres.depth_mix_norm`)."""
+        x, weights = depth_mix_norm(state.blocks, state.partial, self.query, self.key_norm,
+                                    norm.weight(self.cfg.d_model), self.cfg.rms_eps, norm.eps,
+                                    partial_valid)
         if _diagnosing(self):
-            weights = jnp.mean(alpha, axis=(1, 2))
             _sow(self, "depth_weights", jnp.pad(weights, (0, num_block_slots(self.cfg) + 1
                                                          - weights.shape[0])))
-        return h
+        return x.astype(jnp.dtype(norm.dtype))
 
 
 class AttnResidual(_DepthMix):
-    """The rule of one sub-layer ``j``: ``read`` mixes the sources, ``write`` does the bookkeeping.
+    """The rule of one sub-layer ``j``: ``read`` mixes the sources and applies the sub-layer's
+    pre-norm, ``write`` does the bookkeeping.
 
     ``j`` is a Python int for unrolled layers (all bookkeeping static) or a traced int inside a
     scan, which must not cross a block boundary (the stack settles the state after it).
     """
 
-    def read(self, state: AttnResState, j) -> jax.Array:
+    def read(self, state: AttnResState, j, norm: nn.Module) -> jax.Array:
         if state.partial is None or isinstance(j, int):
-            return self.mix(state)
-        return self.mix(state, partial_valid=j % block_size(self.cfg) != 0)
+            return self.normed(state, norm)
+        return self.normed(state, norm, partial_valid=j % block_size(self.cfg) != 0)
 
     def write(self, state: AttnResState, out: jax.Array, j) -> AttnResState:
         blocks, partial = state
@@ -138,20 +145,20 @@ class AttnResidual(_DepthMix):
             return settle(self.cfg, AttnResState(blocks, partial + out), j + 1)
         return AttnResState(blocks, jnp.where(j % block_size(self.cfg) == 0, out, partial + out))
 
-    def __call__(self, state, j):  # lets linen initialise a rule that is only used via methods
-        return self.read(state, j)
+    def __call__(self, state, j, norm):  # lets linen initialise a rule used only via methods
+        return self.read(state, j, norm)
 
 
 class AttnResFinalRead(_DepthMix):
-    """The final aggregation before the final norm: all completed blocks and the last partial
-    sum."""
+    """The final aggregation (all completed blocks and the last partial sum) and the final
+    norm."""
 
-    def __call__(self, state: AttnResState) -> jax.Array:
+    def __call__(self, state: AttnResState, norm: nn.Module) -> jax.Array:
         if _diagnosing(self):
             sources = state.blocks + (() if state.partial is None else (state.partial,))
             _sow(self, "block_rms", jnp.stack([jnp.sqrt(jnp.mean(jnp.square(v.astype(jnp.float32))))
                                                for v in sources]))
-        return self.mix(state)
+        return self.normed(state, norm)
 
 
 def _diagnosing(module: nn.Module) -> bool:

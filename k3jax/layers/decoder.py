@@ -72,20 +72,20 @@ class DecoderLayer(nn.Module):
         norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
 
         lift = _unlifted if self.is_initializing() else _traced_once
-        h = res_mixer.read(state, j)
+        x = res_mixer.read(state, j, norm_mixer)
         mixer = MIXERS[self.mixer](cfg, lift)
         # The mixer's kind in the name stack: a profile can tell KDA ops from MLA ops (both
         # modules are named "mixer"), likewise for the FFN.
         with jax.named_scope(self.mixer):
             if cache is None:
-                out = mixer(norm_mixer(h), segment_ids)
+                out = mixer(x, segment_ids)
             else:
-                out, cache = mixer.cached(norm_mixer(h), cache, context)
+                out, cache = mixer.cached(x, cache, context)
         state = res_mixer.write(state, out, j)
 
-        h = res_ffn.read(state, j + 1)
+        x = res_ffn.read(state, j + 1, norm_ffn)
         with jax.named_scope(self.ffn):
             ffn = FFNS[self.ffn](cfg, lift)
-            out = ffn(norm_ffn(h), deterministic=deterministic)
+            out = ffn(x, deterministic=deterministic)
         state = res_ffn.write(state, out, j + 1)
         return state if cache is None else (state, cache)

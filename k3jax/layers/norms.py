@@ -7,16 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.param import ones
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """``x * rsqrt(mean(x^2) + eps) * w`` over the last axis; statistics in fp32, result in
-    x.dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    return y.astype(x.dtype)
+from k3jax.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +18,13 @@ class RMSNorm(nn.Module):
     param_dtype: str = "float32"
     axis_name: str = "norm"
 
-    @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("scale", ones((self.axis_name,)), (x.shape[-1],),
-                       jnp.dtype(self.param_dtype))
-        return rms_norm(x, w, self.eps).astype(jnp.dtype(self.dtype))
+        return rms_norm(x, self.weight(x.shape[-1]), self.eps).astype(jnp.dtype(self.dtype))
+
+    @nn.compact
+    def weight(self, d: int) -> jax.Array:
+        """The weight ``[d]``, for an op that applies the norm itself (an AttnRes read's)."""
+        return self.param("scale", ones((self.axis_name,)), (d,), jnp.dtype(self.param_dtype))
 
 
 class GatedHeadRMSNorm(nn.Module):

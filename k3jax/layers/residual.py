@@ -3,12 +3,13 @@
 A rule is a small linen module per sub-layer with two methods, so the decoder layer never changes
 when the rule does:
 
-* ``read(state, j) -> h``: the input of sub-layer ``j``'s pre-norm;
+* ``read(state, j, norm) -> x``: the input of sub-layer ``j``, its pre-norm ``norm`` (an
+  :class:`~k3jax.layers.norms.RMSNorm`) applied to what it reads (a rule may fuse the two);
 * ``write(state, out, j) -> state``: fold the sub-layer's output into the state.
 
-``initial_state(cfg, embedding)`` starts the state and ``FinalRead`` produces the input of the final
-norm. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN ``2i + 1``); it
-may be a traced integer when the stack is scanned.
+``initial_state(cfg, embedding)`` starts the state and ``FinalRead(state, norm)`` produces the
+final norm's output. ``j`` is the global sub-layer index (mixer of layer ``i`` is ``2i``, its FFN
+``2i + 1``); it may be a traced integer when the stack is scanned.
 
 Scans: ``split_state(cfg, state) -> (carry, invariant)`` separates what a scanned layer group
 changes (carried) from what it only reads (broadcast into the scan, kept once for the backward
@@ -31,21 +32,21 @@ class PlainResidual(nn.Module):
 
     cfg: ModelConfig
 
-    def read(self, state: jax.Array, j) -> jax.Array:
-        return state
+    def read(self, state: jax.Array, j, norm: nn.Module) -> jax.Array:
+        return norm(state)
 
     def write(self, state: jax.Array, out: jax.Array, j) -> jax.Array:
         return state + out.astype(state.dtype)
 
-    def __call__(self, state, j):  # lets linen initialise a rule that is only used via methods
-        return self.read(state, j)
+    def __call__(self, state, j, norm):  # lets linen initialise a rule used only via methods
+        return self.read(state, j, norm)
 
 
 class PlainFinalRead(nn.Module):
     cfg: ModelConfig
 
-    def __call__(self, state: jax.Array) -> jax.Array:
-        return state
+    def __call__(self, state: jax.Array, norm: nn.Module) -> jax.Array:
+        return norm(state)
 
 
 def _attnres():

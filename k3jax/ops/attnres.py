@@ -8,7 +8,7 @@ For sources ``v_0..v_n`` (each ``[B, T, d]``), a pseudo-query ``w [d]`` and a ke
     alpha   = softmax_i(score)                          per token
     h       = sum_i alpha_i v_i                         over the UN-normalised sources
 
-all in fp32, cast back to the sources' dtype once. Three forms live here, side by side:
+all in fp32, cast back to the sources' dtype once. These forms live here, side by side:
 
 * :func:`depth_mix_reference` -- the formula on a Python list of sources, plain autodiff: the
   oracle;
@@ -17,6 +17,9 @@ all in fp32, cast back to the sources' dtype once. Three forms live here, side b
   custom VJP keeps only the inputs -- references to the same block arrays at every read, so a
   stack's reads together keep each block once -- and ``[n, B, T]`` statistics (autodiff of the
   formula would also keep fp32 copies and normalised keys of every source at every read);
+* :func:`depth_mix_norm` -- what the model runs: the training form and the RMSNorm that follows
+  every read, on a Hopper GPU in one pass of Triton kernels forward and backward (XLA's fusions of
+  the two steps read the sources several times over);
 * :func:`inter_block` + :func:`merge_partial` -- the two-phase inference form: a block's
   pseudo-queries batched against the completed blocks (max and log-sum-exp kept), then merged with
   the in-block partial sum by online softmax.
@@ -29,11 +32,15 @@ model's rule.
 
 from __future__ import annotations
 
+import functools
 from functools import partial as _partial
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.devices import hopper_gpus
+from k3jax.ops.rms_norm import rms_norm
 
 _F32 = jnp.float32
 _PREC = jax.lax.Precision.HIGHEST  # true fp32 dots on GPUs too (not TF32)
@@ -167,6 +174,78 @@ def _depth_mix_bwd(eps, res, cts):
 _depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 
+# -- a read and the RMSNorm after it ---------------------------------------------------------------
+
+def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Array,
+                   g: jax.Array, scale: jax.Array, eps: float, norm_eps: float,
+                   partial_valid=True, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """``(x, weights)``: ``x = rms_norm(h, scale)`` of the read ``h`` of :func:`depth_mix` (same
+    arguments), the input of the sub-layer after the read, ``[B, T, d]`` in the sources' dtype;
+    ``weights [n]`` fp32, each source's depth weight averaged over the tokens (diagnostics).
+    ``scale [d]`` is the norm's weight, ``norm_eps`` its epsilon; ``h`` is rounded to the sources'
+    dtype before the norm, as the two steps apart round it.
+
+    ``impl``: ``"pallas"`` runs the Triton kernels of :mod:`pallas_kernels.depth_mix_norm`
+    (ValueError when they cannot take the call), ``"auto"`` runs them where they can (a Hopper GPU,
+    tile-aligned shapes), ``"xla"`` the two steps apart (:func:`depth_mix`, then the norm).
+    """
+    blocks = tuple(blocks)
+    _check_mix_args(blocks, partial, w, g)
+    sources = blocks + (() if partial is None else (partial,))
+    if impl == "pallas" or (impl == "auto" and hopper_gpus()):
+        from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
+
+        rows = tuple(v.reshape(-1, v.shape[-1]) for v in sources)
+        valid = jnp.asarray(True if partial is None else partial_valid).astype(jnp.int32)[None]
+        if impl == "pallas" or kernels.supports(rows, _query(w, g), scale, valid):  # they check
+            x, weight_sums = kernel_depth_mix_norm(rows, w, g, scale, valid,
+                                                   (float(eps), float(norm_eps)))
+            return x.reshape(sources[0].shape), weight_sums / rows[0].shape[0]
+    h, alpha = depth_mix(blocks, partial, w, g, eps, partial_valid)
+    return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2))
+
+
+@_partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def kernel_depth_mix_norm(sources, w, g, scale, valid, eps: tuple[float, float],
+                          interpret: bool = False):
+    """:func:`depth_mix_norm`'s kernel path on ``sources`` (a tuple of ``[N, d]``, the last masked
+    unless ``valid [1]`` int32 is nonzero), with the kernels' gradients: ``(x [N, d], weight_sums
+    [n])``, the depth weights summed over the tokens. ``eps``: the read's and the norm's.
+    ``interpret``: run the kernels in Pallas's interpreter (CPU tests)."""
+    x, weight_parts = _launcher("depth_mix_norm")(sources, _query(w, g), scale, valid,
+                                                  eps_mix=eps[0], eps_norm=eps[1],
+                                                  interpret=interpret)
+    return x, jnp.sum(weight_parts, axis=0)
+
+
+def _kernel_fwd(sources, w, g, scale, valid, eps, interpret):
+    return kernel_depth_mix_norm(sources, w, g, scale, valid, eps, interpret), (sources, w, g,
+                                                                               scale, valid)
+
+
+def _kernel_bwd(eps, interpret, res, cts):
+    sources, w, g, scale, valid = res
+    dx, dweights = cts
+    dsources, du_parts, dscale_parts = _launcher("depth_mix_norm_vjp")(
+        sources, _query(w, g), scale, valid, dx.astype(sources[0].dtype),
+        dweights.astype(_F32), eps_mix=eps[0], eps_norm=eps[1], interpret=interpret)
+    du = jnp.sum(du_parts, axis=0)
+    return (dsources, (du * g.astype(_F32)).astype(w.dtype), (du * w.astype(_F32)).astype(g.dtype),
+            jnp.sum(dscale_parts, axis=0).astype(scale.dtype), None)
+
+
+kernel_depth_mix_norm.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+@functools.cache
+def _launcher(name: str):
+    """A kernel of :mod:`pallas_kernels.depth_mix_norm`, imported on first use and jitted once, so
+    every read with the same number of sources shares one lowering."""
+    from pallas_kernels import depth_mix_norm as kernels
+    from pallas_kernels._mgpu import shared_lowering
+    return shared_lowering(getattr(kernels, name), ("eps_mix", "eps_norm"))
+
+
 # -- the two-phase inference form ---------------------------------------------------------------
 
 def inter_block(completed: jax.Array, w: jax.Array, g: jax.Array,
@@ -271,5 +350,6 @@ def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queri
     return merge_partial(o[0], lse[0], completed[-1], queries[-1], norms[-1], eps)
 
 
-__all__ = ["attnres_reference", "attnres_two_phase", "depth_mix", "depth_mix_reference",
-           "full_attnres_reference", "inter_block", "merge_partial"]
+__all__ = ["attnres_reference", "attnres_two_phase", "depth_mix", "depth_mix_norm",
+           "depth_mix_reference", "full_attnres_reference", "inter_block", "kernel_depth_mix_norm",
+           "merge_partial"]
