@@ -44,6 +44,10 @@ F32 = jnp.float32
 FWD_ROWS, FWD_WARPS = 2, 2
 BWD_ROWS, BWD_STEPS, BWD_WARPS = 4, 32, 4
 CHUNK_MAX = 256  # columns of one chunk of a row
+# The widest token row the kernels beat XLA at: a warp holds a whole row of every operand. At
+# d = 2048 they lost (forward + backward 1.18 against XLA's 0.80 ms with two sources) and the
+# backward with five spilled registers, 12.9 ms a call in k3_1b's step (docs/benchmarks.md).
+FAST_WIDTH = 1024
 MAX_SOURCES = 16
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -77,13 +81,13 @@ def check_args(sources, u, scale, valid, dx=None) -> None:
 
 
 def supports(sources, u, scale, valid) -> bool:
-    """True for the calls the GPU tests cover: an sm_90 GPU and arguments :func:`check_args`
-    takes."""
+    """True for the calls worth the kernels: an sm_90 GPU, arguments :func:`check_args` takes, and
+    ``d <= FAST_WIDTH``."""
     try:
         check_args(sources, u, scale, valid)
     except ValueError:
         return False
-    return hopper_gpus()
+    return sources[0].shape[1] <= FAST_WIDTH and hopper_gpus()
 
 
 def _chunk(d: int) -> int:

@@ -157,3 +157,13 @@ def test_op_routes_blocks_and_partial_to_the_kernels():
     for want, got in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_k)):
         assert rel_rms(np.asarray(want, np.float32),
                        np.asarray(got, np.float32)) <= BF16_GRAD_QKV_TOL
+
+
+@pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
+def test_wide_rows_take_the_xla_path():
+    """Rows wider than ``FAST_WIDTH`` (where the kernels lose to XLA) are not routed to them."""
+    def routed(d):
+        sources, w, g, scale, _ = _operands(2, jnp.bfloat16, shape=(TILE, d))
+        return kernels.supports(sources, w * g, scale, jnp.ones((1,), jnp.int32))
+
+    assert routed(kernels.FAST_WIDTH) and not routed(2 * kernels.FAST_WIDTH)
