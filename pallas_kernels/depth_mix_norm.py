@@ -14,17 +14,22 @@ the folded query ``u = g * w`` and the norm's weight ``gamma``, all in fp32::
     ds_i  = alpha_i (<dh, v_i> - sum_j alpha_j <dh, v_j>)
     dv_i  = alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / d      du = sum_tokens sum_i ds_i r_i v_i
 
+The forward also returns each source's ``alpha_i`` summed over the tokens (the depth weights the
+training step logs); a cotangent ``c_i`` on those sums adds to ``<dh, v_i>`` above.
+
 XLA runs the read and the norm as separate fusions: the scores, the weighted sum and the norm each
 read the sources (or ``h``) again, and the backward's cotangents and the two weight gradients'
-column sums (``du``, ``dgamma``) read them three more times. Here the forward reads each source
-once and writes ``x``; the backward reads the sources and ``dx`` once, writes each ``dv_i``, and
-leaves the column sums as one fp32 row of partial sums per program. A program's rows are whole
+column sums (``du``, ``dgamma``) read them several more times. Here the forward reads each source
+from memory once and writes ``x``; the backward reads the sources and ``dx`` once (a tile's
+second looks at a source hit the cache), writes each ``dv_i``, and leaves the column sums as one
+fp32 row of partial sums per program. A program's rows are whole
 tokens (every reduction above is over a token's ``d`` channels), held as column chunks of
 :data:`CHUNK_MAX` or fewer: Triton's blocks are powers of two, ``d`` need not be.
 
 jax 0.11.2 warns that its Pallas Triton backend is deprecated (see
-:mod:`pallas_kernels.short_conv`). The plain formula is :func:`k3jax.ops.attnres.depth_mix_norm`
-with ``impl="reference"``.
+:mod:`pallas_kernels.short_conv`). The plain formula is
+:func:`k3jax.ops.attnres.depth_mix_reference` and then :func:`k3jax.ops.rms_norm.rms_norm`; XLA's
+path is :func:`k3jax.ops.attnres.depth_mix_norm` with ``impl="xla"``.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def check_args(sources, u, scale, valid, dx=None) -> None:
     if tokens % (BWD_ROWS * BWD_STEPS) or tokens % FWD_ROWS:
         raise ValueError(f"depth_mix_norm: the kernels need tokens N % {BWD_ROWS * BWD_STEPS} == "
                          f"0, got N={tokens}")
-    if d % _chunk(d) or _chunk(d) < 16:
+    if d % 16:
         raise ValueError(f"depth_mix_norm: d must be a multiple of 16, got d={d}")
     for name, vec in (("u", u), ("scale", scale)):
         if vec.shape != (d,):
@@ -136,7 +141,7 @@ def _weights(src_refs, start, rows, d, u, valid, eps):
     for ref in src_refs:
         v = _load(ref, start, rows, d)
         r.append(jax.lax.rsqrt(_dot(v, v) / d + eps))
-        s.append(r[-1] * sum(jnp.sum(x * ux, axis=1) for x, ux in zip(v, u)))
+        s.append(r[-1] * _dot(v, u))
     masked = s[:-1] + [jnp.where(valid, s[-1], -jnp.inf)]   # the partial sum at a block start
     m = masked[0]
     for si in masked[1:]:

@@ -32,7 +32,6 @@ model's rule.
 
 from __future__ import annotations
 
-import functools
 from functools import partial as _partial
 from typing import Callable, Sequence
 
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.kernel_launch import launcher
 from k3jax.ops.rms_norm import rms_norm
 
 _F32 = jnp.float32
@@ -237,13 +237,8 @@ def _kernel_bwd(eps, interpret, res, cts):
 kernel_depth_mix_norm.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-@functools.cache
 def _launcher(name: str):
-    """A kernel of :mod:`pallas_kernels.depth_mix_norm`, imported on first use and jitted once, so
-    every read with the same number of sources shares one lowering."""
-    from pallas_kernels import depth_mix_norm as kernels
-    from pallas_kernels._mgpu import shared_lowering
-    return shared_lowering(getattr(kernels, name), ("eps_mix", "eps_norm"))
+    return launcher("depth_mix_norm", name, ("eps_mix", "eps_norm"))
 
 
 # -- the two-phase inference form ---------------------------------------------------------------

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda import L2_EPS, l2_normalize
+from k3jax.ops.kernel_launch import launcher
 
 F32 = jnp.float32
 
@@ -117,13 +118,8 @@ def _kernel_bwd(norm, interpret, res, dout):
 kernel_conv_silu.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-@functools.cache
 def _launcher(name: str):
-    """A kernel of :mod:`pallas_kernels.short_conv`, imported on first use and jitted once, so
-    every layer's call shares one lowering."""
-    from pallas_kernels import short_conv
-    from pallas_kernels._mgpu import shared_lowering
-    return shared_lowering(getattr(short_conv, name), ("norm",))
+    return launcher("short_conv", name, ("norm",))
 
 
 def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int | None = None

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.grouped_matmul import tile_groups
+from k3jax.ops.kernel_launch import launcher
 
 
 def glu_on_tiles(gate: jax.Array, up: jax.Array, group_sizes: jax.Array, act,
@@ -53,13 +54,8 @@ def _tiled_bwd(act, interpret, res, dh):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-@functools.cache
 def _launcher(name: str):
-    """A kernel of :mod:`pallas_kernels.tiled_glu`, imported on first use (GPU-only modules stay
-    out of CPU imports) and jitted once, so every MoE layer's call shares one lowering."""
-    from pallas_kernels import tiled_glu
-    from pallas_kernels._mgpu import shared_lowering
-    return shared_lowering(getattr(tiled_glu, name), ("act",))
+    return launcher("tiled_glu", name, ("act",))
 
 
 __all__ = ["glu_on_tiles"]
