@@ -17,10 +17,13 @@ def hopper_gpus(count: int = 1) -> bool:
     return all(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices())
 
 
-def hopper_target():
-    """A context in which ``.lower(lowering_platforms=("cuda",))`` builds GPU kernels for an H200
-    where there is none (a CPU): Triton's lowering asks the device for its compute capability,
-    which an abstract device answers. Mosaic GPU kernels lower without it."""
+def hopper_target(axes: dict[str, int] | None = None):
+    """A context in which ``.lower(lowering_platforms=("cuda",))`` builds GPU kernels for H200s
+    where there are none (a CPU): Triton's lowering asks the device for its compute capability,
+    which an abstract device answers (Mosaic GPU kernels lower without it). ``axes``: the mesh's
+    axis sizes by name (all automatic, as the training mesh's), or one device."""
     h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",),
-                                                                    abstract_device=h200))
+    axes = {"_": 1} if axes is None else axes
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+        tuple(axes.values()), tuple(axes), abstract_device=h200,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(axes)))

@@ -8,13 +8,22 @@ the formula and against the XLA path (run the GPU tests as ``JAX_PLATFORMS=cuda 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import k3jax.parallel as kp
+from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
-from k3jax.ops.attnres import depth_mix_norm, depth_mix_reference, kernel_depth_mix_norm
+from k3jax.ops.attnres import (
+    depth_mix_norm,
+    depth_mix_norm_kernels,
+    depth_mix_reference,
+    kernel_depth_mix_norm,
+)
 from k3jax.ops.rms_norm import rms_norm
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import depth_mix_norm as kernels
@@ -124,6 +133,33 @@ def test_kernels_reject_what_they_do_not_cover():
             kernels.check_args(*args)
     with pytest.raises(ValueError, match="dx must match"):
         kernels.check_args(sources, w * g, scale, ones, dx.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],
+                         ids=["data4_tensor2", "data2_fsdp4"])
+def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):
+    """Under a mesh of 8 devices the kernels run per device (``shard_map`` over the batch axes;
+    GSPMD would run the whole batch on every device): the same output, depth weights and
+    gradients as on one device, to fp32 round-off (FP32_TOL)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    sources, w, g, scale, (dx, dweights) = _operands(3, jnp.float32, shape=(8, TILE, D), seed=8)
+    valid = jnp.ones((1,), jnp.int32)
+
+    def run(sources, w, g, scale):
+        out, vjp = jax.vjp(lambda *a: depth_mix_norm_kernels(*a, valid, (EPS, NORM_EPS),
+                                                             not hopper_gpus()),
+                           sources, w, g, scale)
+        return out, vjp((dx, dweights))
+
+    one = jax.jit(run)(sources, w, g, scale)
+    per_device = jax.jit(functools.partial(run))  # traced afresh under the mesh
+    with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
+        lowered = per_device.lower(sources, w, g, scale)
+        many = lowered.compile()(sources, w, g, scale)
+    assert "sdy.manual_computation" in lowered.as_text()  # it did run per device
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+        assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
 
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")

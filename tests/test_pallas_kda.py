@@ -239,6 +239,37 @@ def test_state_kernels_lower_for_cuda():
             lowering_platforms=("cuda",))
 
 
+def test_kernels_run_on_each_devices_rows_under_a_mesh():
+    """Under a mesh of 8 H200s (data 4 x tensor 2; lowered on the CPU) ``kda(impl="pallas")`` and
+    its gradient run inside a ``shard_map``: every Mosaic GPU call takes its own device's 2 of the
+    batch's 8 rows, where GSPMD would run all 8 on every device. (The Mosaic GPU interpreter
+    cannot run several devices' kernels at once, so this checks the lowering; the convolution's
+    and the AttnRes reads' kernels, which run in the Triton interpreter, are compared with one
+    device by value.)"""
+    import flax.linen as nn
+
+    from k3jax.config.mesh import DEFAULT_RULES
+    from k3jax.devices import hopper_target
+    from k3jax.ops.kda import kda
+
+    b, t, h, d = 8, 128, 2, 64
+    sd = jax.ShapeDtypeStruct
+    args = (sd((b, t, h, d), jnp.bfloat16),) * 3 + (sd((b, t, h, d), jnp.float32),
+                                                  sd((b, t, h), jnp.bfloat16))
+
+    def loss(*a):
+        return jnp.sum(kda(*a, impl="pallas")[0].astype(jnp.float32))
+
+    mesh = {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+    with hopper_target(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        text = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert "sdy.manual_computation" in text and len(calls) >= 5
+    assert all(f"tensor<2x{t}x{h}x{d}x" in line and f"tensor<{b}x{t}" not in line
+               for line in calls), calls[0][-300:]
+
+
 def test_prepare_kernels_match_their_reference():
     """The token-parallel kernels (interpreted) against :func:`prepare_reference` on the same
     bf16-representable inputs: every output within math §10's bf16 output tolerance and the

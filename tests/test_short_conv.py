@@ -7,14 +7,18 @@ pytest -q tests/test_short_conv.py``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import k3jax.parallel as kp
+from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
 from k3jax.ops.kda import L2_EPS
-from k3jax.ops.short_conv import conv_silu, kernel_conv_silu
+from k3jax.ops.short_conv import conv_silu, conv_silu_kernels, kernel_conv_silu
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import short_conv as kernels
 
@@ -112,6 +116,32 @@ def test_kernels_lower_for_an_h200():
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 6  # each: a forward kernel, two backward ones
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],
+                         ids=["data4_tensor2", "data2_fsdp4"])
+def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):
+    """Under a mesh of 8 devices the kernels run per device (``shard_map`` over the batch axes;
+    GSPMD would run the whole batch on every device): the same output and gradients (the taps'
+    summed over the devices) as on one device, to fp32 round-off (FP32_TOL)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    x, w, dout = _operands(8, BT, BC, 4, jnp.float32, seed=9)
+    seg = _segments(8, BT, 3, seed=10)
+
+    def run(x, w, seg):
+        out, vjp = jax.vjp(lambda x, w: conv_silu_kernels(x, w, seg, None, not hopper_gpus()),
+                           x, w)
+        return out, vjp(dout)
+
+    one = jax.jit(run)(x, w, seg)
+    per_device = jax.jit(functools.partial(run))  # traced afresh under the mesh
+    with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
+        lowered = per_device.lower(x, w, seg)
+        many = lowered.compile()(x, w, seg)
+    assert "sdy.manual_computation" in lowered.as_text()  # it did run per device
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+        assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
 
 
 @pytest.mark.parametrize("name,shape,expected", [

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config.mesh import rule_axes
 from k3jax.config.model import Documents
 from k3jax.devices import hopper_gpus
+from k3jax.ops.per_device import batch_axes
 
 # Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
 # grid by rows x this number: 64 made it 2x slower than 16 at k3_small's shape.
@@ -184,16 +185,15 @@ def _per_device(attend, q, k, v, segment_ids) -> jax.Array:
     that split the batch, and those that split the heads where they divide them. Each row's
     document offsets then stay with the row, whatever XLA would propagate to them, and each device
     picks the packed or the masked kernel for its own rows."""
-    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
-    sizes = {} if mesh.empty else dict(mesh.shape)
-    rows = rule_axes(rules, "batch") if rules else ()
-    if math.prod(sizes.values()) <= 1 or q.shape[0] % math.prod(sizes[a] for a in rows):
+    rows = batch_axes(q.shape[0])
+    if not rows:
         return attend(q, k, v, segment_ids)  # one device, or rows XLA must pad to split
-    heads = tuple(a for a in rule_axes(rules, "heads") if a not in rows)
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    heads = tuple(a for a in rule_axes(nn.get_logical_axis_rules(), "heads") if a not in rows)
     if q.shape[2] % math.prod(sizes[a] for a in heads):
         heads = ()  # every device of those axes runs all the heads
-    spec = P(rows or None, None, heads or None, None)
-    return jax.shard_map(attend, in_specs=(spec, spec, spec, P(rows or None, None)),
+    spec = P(rows, None, heads or None, None)
+    return jax.shard_map(attend, in_specs=(spec, spec, spec, P(rows, None)),
                          out_specs=spec)(q, k, v, segment_ids)
 
 

@@ -37,9 +37,11 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.per_device import on_own_rows
 from k3jax.ops.rms_norm import rms_norm
 
 _F32 = jnp.float32
@@ -195,14 +197,30 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
     if impl == "pallas" or (impl == "auto" and hopper_gpus()):
         from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
 
-        rows = tuple(v.reshape(-1, v.shape[-1]) for v in sources)
         valid = jnp.asarray(True if partial is None else partial_valid).astype(jnp.int32)[None]
+        rows = tuple(v.reshape(-1, v.shape[-1]) for v in sources)
         if impl == "pallas" or kernels.supports(rows, _query(w, g), scale, valid):  # they check
-            x, weight_sums = kernel_depth_mix_norm(rows, w, g, scale, valid,
-                                                   (float(eps), float(norm_eps)))
-            return x.reshape(sources[0].shape), weight_sums / rows[0].shape[0]
+            return depth_mix_norm_kernels(sources, w, g, scale, valid,
+                                          (float(eps), float(norm_eps)))
     h, alpha = depth_mix(blocks, partial, w, g, eps, partial_valid)
     return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2))
+
+
+def depth_mix_norm_kernels(sources, w, g, scale, valid, eps: tuple[float, float],
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`depth_mix_norm`'s kernel path on ``sources`` (a tuple of ``[B, T, d]``, the last
+    masked unless ``valid [1]`` int32 is nonzero), each device on its own rows of the batch
+    (:func:`~k3jax.ops.per_device.on_own_rows`): ``(x [B, T, d], weights [n])``."""
+    def on_rows(sources, w, g, scale, valid):
+        x, weight_sums = kernel_depth_mix_norm(
+            tuple(v.reshape(-1, v.shape[-1]) for v in sources), w, g, scale, valid, eps, interpret)
+        return x.reshape(sources[0].shape), weight_sums[None]     # one row of sums a device
+
+    b, t, _ = sources[0].shape
+    x, weight_sums = on_own_rows(
+        on_rows, b, lambda rows: ((P(rows),) * len(sources), P(), P(), P(), P()),
+        lambda rows: (P(rows), P(rows)))(sources, w, g, scale, valid)
+    return x, jnp.sum(weight_sums, axis=0) / (b * t)
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -346,5 +364,5 @@ def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queri
 
 
 __all__ = ["attnres_reference", "attnres_two_phase", "depth_mix", "depth_mix_norm",
-           "depth_mix_reference", "full_attnres_reference", "inter_block", "kernel_depth_mix_norm",
-           "merge_partial"]
+           "depth_mix_norm_kernels", "depth_mix_reference", "full_attnres_reference", "inter_block",
+           "kernel_depth_mix_norm", "merge_partial"]

@@ -19,11 +19,13 @@ import typing
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config.model import KDAImpl
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.kda_reference import kda_decode_step, kda_reference
+from k3jax.ops.per_device import on_own_rows
 
 IMPLS = typing.get_args(KDAImpl)
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -174,9 +176,20 @@ def _kda_path(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chun
     if path == "chunked":
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                            segment_ids=segment_ids, chunk_size=chunk_size)
-    return _pallas_module().kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                       output_final_state=output_final_state,
-                                       segment_ids=segment_ids, chunk_size=chunk_size)
+    return _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
+                               chunk_size=chunk_size, output_final_state=output_final_state)
+
+
+def _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, **options):
+    """:func:`pallas_kernels.kda.kda_pallas` with each device on its own rows of the batch
+    (:func:`~k3jax.ops.per_device.on_own_rows`): every input and output is per row."""
+    def on_rows(q, k, v, g, beta, initial_state, segment_ids):
+        return _pallas_module().kda_pallas(q, k, v, g, beta, initial_state=initial_state,
+                                           segment_ids=segment_ids, **options)
+
+    return on_own_rows(on_rows, q.shape[0], lambda rows: (P(rows),) * 7,
+                       lambda rows: (P(rows), P(rows)))(q, k, v, g, beta, initial_state,
+                                                       segment_ids)
 
 
 _kda_compiled = jax.jit(_kda_path, static_argnames=("path", "scale", "chunk_size",

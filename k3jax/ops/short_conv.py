@@ -17,10 +17,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda import L2_EPS, l2_normalize
 from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.per_device import on_own_rows
 
 F32 = jnp.float32
 
@@ -78,7 +80,7 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
         seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):  # the kernels check
             norm = None if head_dim is None else (head_dim, L2_EPS)
-            return (kernel_conv_silu(x, w, seg, norm),
+            return (conv_silu_kernels(x, w, seg, norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     y, new_state = _conv32(x, w, segment_ids, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
@@ -93,6 +95,14 @@ def _activate(y32: jax.Array, head_dim: int | None) -> jax.Array:
     # below memory bandwidth (15 ms of a k3_small step).
     out = l2_normalize(jax.lax.optimization_barrier(out).reshape(*out.shape[:-1], -1, head_dim))
     return out.reshape(*out.shape[:-2], -1)
+
+
+def conv_silu_kernels(x, w, segment_ids, norm=None, interpret: bool = False) -> jax.Array:
+    """:func:`kernel_conv_silu` (same arguments) with each device on its own rows of the batch
+    (:func:`~k3jax.ops.per_device.on_own_rows`)."""
+    return on_own_rows(lambda x, w, seg: kernel_conv_silu(x, w, seg, norm, interpret), x.shape[0],
+                       lambda rows: (P(rows), P(), P(rows)), lambda rows: P(rows))(
+        x, w, segment_ids)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -134,4 +144,4 @@ def _step32(x, w, state):
     return jnp.einsum("bwc,wc->bc", window.astype(F32), w.astype(F32)), window[:, 1:]
 
 
-__all__ = ["conv_silu", "conv_silu_step", "kernel_conv_silu"]
+__all__ = ["conv_silu", "conv_silu_kernels", "conv_silu_step", "kernel_conv_silu"]
