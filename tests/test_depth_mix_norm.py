@@ -153,6 +153,10 @@ def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):
         return out, vjp((dx, dweights))
 
     one = jax.jit(run)(sources, w, g, scale)
+    rows = tuple(v.reshape(-1, D) for v in sources)
+    x, sums = _kernels(rows, w, g, scale, True)   # the tested kernel path: means of its sums
+    assert rel_rms(x.reshape(one[0][0].shape), one[0][0]) <= FP32_TOL
+    assert rel_rms(sums / rows[0].shape[0], one[0][1]) <= FP32_TOL
     per_device = jax.jit(functools.partial(run))  # traced afresh under the mesh
     with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
         lowered = per_device.lower(sources, w, g, scale)
