@@ -19,13 +19,13 @@ exactly the config's :data:`~k3jax.config.moe.Dispatch` values.
 
 from __future__ import annotations
 
-import functools
 import typing
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config.moe import Dispatch
 from k3jax.layers.ffn import GLUMLP
@@ -34,6 +34,7 @@ from k3jax.layers.param import normal
 from k3jax.ops.balancing import compute_stats
 from k3jax.ops.ep_dispatch import make_ep_dispatch
 from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
+from k3jax.ops.per_device import on_own_rows
 from k3jax.ops.routing import aux_balance_loss, route, router_scores
 
 # (x, expert_ids, weights, experts, act) -> (y, dropped slots [] int32): k3jax.ops.moe_dispatch
@@ -46,13 +47,26 @@ def _dropless(fn) -> DispatchFn:
     return lambda *args: (fn(*args), jnp.zeros((), jnp.int32))
 
 
+def _ragged_on_own_tokens(impl: str) -> Callable:
+    """:func:`ragged_dispatch` with each device on its own tokens under a mesh of several devices
+    (:func:`~k3jax.ops.per_device.on_own_rows`; every device holds every expert): GSPMD would
+    gather every token to every device for the grouped matmul kernels."""
+    def dispatch(x, expert_ids, weights, experts, act):
+        def on_rows(x, expert_ids, weights, experts):
+            return ragged_dispatch(x, expert_ids, weights, experts, act, impl=impl)
+
+        return on_own_rows(on_rows, x.shape[0], lambda rows: (P(rows), P(rows), P(rows), P()),
+                           lambda rows: P(rows))(x, expert_ids, weights, experts)
+    return dispatch
+
+
 def _expert_parallel(kind: str):
     return lambda mc: make_ep_dispatch(kind, mc.capacity_factor, mc.grouped_matmul)
 
 
 # MoEConfig.dispatch -> the factory of that dispatch for a config (binding the config's options).
 DISPATCHES: dict[str, Callable[[object], DispatchFn]] = {
-    "ragged": lambda mc: _dropless(functools.partial(ragged_dispatch, impl=mc.grouped_matmul)),
+    "ragged": lambda mc: _dropless(_ragged_on_own_tokens(mc.grouped_matmul)),
     "dense": lambda mc: _dropless(dense_dispatch),
     "all_to_all": _expert_parallel("all_to_all"),
     "ring": _expert_parallel("ring"),
