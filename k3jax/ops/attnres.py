@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kernel_launch import launcher
-from k3jax.ops.per_device import on_own_rows
+from k3jax.ops.per_device import on_own_rows, rows_per_device
 from k3jax.ops.rms_norm import rms_norm
 
 _F32 = jnp.float32
@@ -198,7 +198,8 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
         from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
 
         valid = jnp.asarray(True if partial is None else partial_valid).astype(jnp.int32)[None]
-        rows = tuple(v.reshape(-1, v.shape[-1]) for v in sources)
+        b, t, d = sources[0].shape
+        rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
         if impl == "pallas" or kernels.supports(rows, _query(w, g), scale, valid):  # they check
             return depth_mix_norm_kernels(sources, w, g, scale, valid,
                                           (float(eps), float(norm_eps)))

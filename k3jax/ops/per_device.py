@@ -32,6 +32,12 @@ def batch_axes(batch: int) -> tuple[str, ...]:
     return rows
 
 
+def rows_per_device(batch: int) -> int:
+    """The rows of a batch of ``batch`` that each device holds under :func:`on_own_rows`."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    return batch // math.prod(sizes[a] for a in batch_axes(batch))
+
+
 def on_own_rows(fn: Callable, batch: int, in_specs: Callable, out_specs: Callable) -> Callable:
     """``fn`` run by each device on its own rows of the batch (``batch`` rows in all), or ``fn``
     itself where :func:`batch_axes` is empty. ``in_specs`` and ``out_specs`` map the batch's mesh
@@ -43,4 +49,4 @@ def on_own_rows(fn: Callable, batch: int, in_specs: Callable, out_specs: Callabl
     return jax.shard_map(fn, in_specs=in_specs(rows), out_specs=out_specs(rows), check_vma=False)
 
 
-__all__ = ["batch_axes", "on_own_rows"]
+__all__ = ["batch_axes", "on_own_rows", "rows_per_device"]
