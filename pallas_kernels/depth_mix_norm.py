@@ -35,6 +35,7 @@ path is :func:`k3jax.ops.attnres.depth_mix_norm` with ``impl="xla"``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -48,6 +49,7 @@ F32 = jnp.float32
 # loops over (one row of partial sums each): the fastest of a sweep on an H200 (docs/benchmarks.md).
 FWD_ROWS, FWD_WARPS = 2, 2
 BWD_ROWS, BWD_STEPS, BWD_WARPS = 4, 32, 4
+TOKENS_MULTIPLE = math.lcm(FWD_ROWS, BWD_ROWS * BWD_STEPS)  # N must be a multiple: whole tiles
 CHUNK_MAX = 256  # columns of one chunk of a row
 # The widest token row the kernels beat XLA at: a warp holds a whole row of every operand. At
 # d = 2048 they lost (forward + backward 1.18 against XLA's 0.80 ms with two sources) and the
@@ -69,9 +71,9 @@ def check_args(sources, u, scale, valid, dx=None) -> None:
     if jnp.dtype(ref.dtype) not in INPUT_DTYPES:
         raise ValueError(f"depth_mix_norm: sources must be bfloat16 or float32, got {ref.dtype}")
     tokens, d = ref.shape
-    if tokens % (BWD_ROWS * BWD_STEPS) or tokens % FWD_ROWS:
-        raise ValueError(f"depth_mix_norm: the kernels need tokens N % {BWD_ROWS * BWD_STEPS} == "
-                         f"0, got N={tokens}")
+    if tokens % TOKENS_MULTIPLE:
+        raise ValueError(f"depth_mix_norm: the kernels need tokens N % {TOKENS_MULTIPLE} == 0, "
+                         f"got N={tokens}")
     if d % 16:
         raise ValueError(f"depth_mix_norm: d must be a multiple of 16, got d={d}")
     for name, vec in (("u", u), ("scale", scale)):

@@ -30,7 +30,7 @@ from pallas_kernels import depth_mix_norm as kernels
 
 EPS, NORM_EPS = 1e-5, 1e-6
 # Two backward programs; d = 96 is three column chunks of 32 (not a power of two).
-TILE = kernels.BWD_ROWS * kernels.BWD_STEPS  # the tokens of one backward program
+TILE = kernels.TOKENS_MULTIPLE  # the tokens of one backward program
 N, D = 2 * TILE, 96
 NAMES = ("x", "weights", "dsources", "dw", "dg", "dscale")
 

@@ -91,14 +91,14 @@ def depth_mix(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Arr
     The custom VJP keeps only the inputs themselves (references to the same block arrays for every
     read) and ``[n, B, T]`` statistics: no fp32 copies, no stacked ``[n, B, T, d]`` buffer.
     """
-    blocks = tuple(blocks)
-    _check_mix_args(blocks, partial, w, g)
-    sources = blocks + (() if partial is None else (partial,))
-    valid = jnp.asarray(True if partial is None else partial_valid, jnp.bool_)
+    sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
     return _depth_mix(float(eps), sources, valid, w, g)
 
 
-def _check_mix_args(blocks, partial, w, g) -> None:
+def _mix_inputs(blocks, partial, w, g, partial_valid) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """``(sources, valid)``: the blocks and the partial sum as one tuple of sources, and whether
+    its last source counts (a bool array), after checking the arguments."""
+    blocks = tuple(blocks)
     arrays = blocks + (() if partial is None else (partial,))
     if not arrays:
         raise ValueError("depth_mix: expected at least one source (blocks or partial); got none")
@@ -112,6 +112,7 @@ def _check_mix_args(blocks, partial, w, g) -> None:
     if w.shape != (d,) or g.shape != (d,):
         raise ValueError(f"depth_mix: query w and key-norm weight g must have shape ({d},); got "
                          f"w {w.shape}, g {g.shape}")
+    return arrays, jnp.asarray(True if partial is None else partial_valid, jnp.bool_)
 
 
 def _mix_forward(eps, sources, valid, w, g):
@@ -191,19 +192,17 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
     (ValueError when they cannot take the call), ``"auto"`` runs them where they can (a Hopper GPU,
     tile-aligned shapes), ``"xla"`` the two steps apart (:func:`depth_mix`, then the norm).
     """
-    blocks = tuple(blocks)
-    _check_mix_args(blocks, partial, w, g)
-    sources = blocks + (() if partial is None else (partial,))
+    sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
     if impl == "pallas" or (impl == "auto" and hopper_gpus()):
         from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
 
-        valid = jnp.asarray(True if partial is None else partial_valid).astype(jnp.int32)[None]
+        valid = valid.astype(jnp.int32)[None]
         b, t, d = sources[0].shape
         rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
         if impl == "pallas" or kernels.supports(rows, _query(w, g), scale, valid):  # they check
             return depth_mix_norm_kernels(sources, w, g, scale, valid,
                                           (float(eps), float(norm_eps)))
-    h, alpha = depth_mix(blocks, partial, w, g, eps, partial_valid)
+    h, alpha = _depth_mix(float(eps), sources, valid, w, g)
     return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2))
 
 
