@@ -119,7 +119,7 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     cumsum runs, and each product is written over the tile it was made from (``Xk`` over ``G``'s
     spent bf16 parts), so the kernel holds no staging buffers and two CTAs still share an SM.
     (With register loads and stores straight from and to GMEM, where a warpgroup waits out every
-    load, this kernel moved under half of HBM's bandwidth; docs/benchmarks.md has the times.)"""
+    load, this kernel moved under half of HBM's bandwidth.)"""
     nb, tp, h, dk = g.shape
     nh = dk // KT
     heads_major = lambda dt: jax.ShapeDtypeStruct((nb, h, tp, dk), dt)  # noqa: E731
