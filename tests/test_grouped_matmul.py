@@ -96,6 +96,21 @@ def test_tile_groups_marks_padding_tiles():
     np.testing.assert_array_equal(np.asarray(tile_groups(sizes, 5 * BM)), [0, 0, 2, -1, -1])
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+def test_mosaic_kernels_only_on_hopper_gpus(monkeypatch, hopper):
+    """``impl="mosaic"`` takes the kernels where the hardware gate says Hopper GPUs, and
+    ``ragged_dot`` anywhere else (an older GPU cannot compile their sm_90 WGMMAs)."""
+    import k3jax.ops.grouped_matmul as gmm
+
+    monkeypatch.setattr(gmm, "hopper_gpus", lambda: hopper)
+    x = jax.ShapeDtypeStruct((2 * BM, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 128, 128), jnp.bfloat16)
+    assert gmm.runs_on_tiles(x, w, "mosaic", aligned=True) is hopper
+    text = str(jax.make_jaxpr(lambda x, w, s: gmm.grouped_matmul(x, w, s, "mosaic"))(
+        x, w, jax.ShapeDtypeStruct((2,), jnp.int32)))
+    assert ("ragged_dot" in text) is not hopper
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_tile_kernel_matches_reference(transpose_rhs):
     """bf16 operands, fp32 accumulation: the interpreted kernel equals the reference on every tile

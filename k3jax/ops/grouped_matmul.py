@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config.moe import GroupedMatmul
+from k3jax.devices import hopper_gpus
 from pallas_kernels.row_tiles import TILE_ROWS  # the tile kernels themselves are imported lazily
 
 GROUPED_MATMULS = typing.get_args(GroupedMatmul)
@@ -74,13 +75,10 @@ def runs_on_tiles(x: jax.Array, w: jax.Array, impl: str, aligned: bool) -> bool:
 
 
 def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
-    """The shapes, dtypes and platform the Mosaic kernels handle (else: reference path)."""
-    try:
-        gpu = jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        gpu = False
+    """The shapes, dtypes and devices the Mosaic kernels handle (else: reference path). Hopper
+    GPUs only: the kernels issue sm_90 WGMMAs, which an older GPU cannot compile."""
     _, k, n = w.shape
-    return (gpu and x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
+    return (hopper_gpus() and x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
             # forward tiles K by _BLOCK_K and N by _BLOCK_N; the input gradient swaps K and N; the
             # weight gradient tiles K by _T_BLOCK_M and N by _T_BLOCK_N: multiples of 128 cover all.
             and k % 128 == 0 and n % 128 == 0)
