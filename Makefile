@@ -1,7 +1,7 @@
 # Two entry points a fresh machine needs: `make train` (the main job) and `make test`.
 # Both create the Python 3.12 virtual environment on first use.
 #
-# The GPU targets (bench-kda, bench-moe, bench-train, test-gpu) run on a CUDA machine with the
+# The GPU targets (bench-kda, bench-moe, bench-train, bench-scale, test-gpu) run on a CUDA machine with the
 # system `python3` (jax, flax, optax, orbax, chex, torch and triton installed; no .venv). Each
 # writes JSON lines and logs to $(OUT) if set, else runs/bench/; docs/benchmarks.md holds the figures.
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ RECORD_ENV = mkdir -p $(BENCH_OUT) && { date -u; nvidia-smi \
   --query-gpu=name,memory.total,driver_version --format=csv; \
   cat COMMIT 2>/dev/null || git rev-parse HEAD; } > $(BENCH_OUT)/env.txt 2>&1
 
-.PHONY: venv train test bench-kda bench-moe bench-train test-gpu clean
+.PHONY: venv train test bench-kda bench-moe bench-train bench-scale test-gpu clean
 
 venv: $(STAMP)
 
@@ -83,6 +83,19 @@ bench-train:
 	    $(if $(CORPUS),--set data.data_dir=$(CORPUS)) --set train.steps=30 --set eval.batches=2 \
 	    --set eval.tasks= --set eval.every=1000 --set checkpoint.every=1000 \
 	    2>&1 | tee $(BENCH_OUT)/k3_small.log
+
+# The GPUs of one host (8; LAYOUTS picks others): k3_1b's step in weak scaling, 16 x 2048 tokens
+# per device in one micro-batch, on 1 to 8 devices in data-parallel, expert-parallel and
+# fsdp x expert layouts (tokens/s per device against 1 and 2 devices, per-device memory, the
+# collectives' and the MoE dispatch's share of the step; each point's profile under
+# $(BENCH_OUT)/scale).
+LAYOUTS ?= data=1 data=2 expert=2 data=4 fsdp=2,expert=2 data=8 fsdp=4,expert=2 fsdp=2,expert=4
+bench-scale:
+	@$(RECORD_ENV)
+	set -o pipefail; export $(GPU_ENV) PYTHONPATH=$(CURDIR); \
+	  python3 benchmarks/scale_out.py --config k3_1b --per-device-batch 16 \
+	    --set train.micro_batches=1 --layouts $(LAYOUTS) --out $(BENCH_OUT)/scale \
+	    2>&1 | tee $(BENCH_OUT)/scale_out.log | grep '^{' > $(BENCH_OUT)/scale_out.jsonl
 
 # Every GPU test file at real sizes (the two-GPU dispatch tests skip themselves on one GPU).
 test-gpu:

@@ -188,9 +188,10 @@ def _exclusive(path: str | None):
 
 
 def _peak_gib() -> float | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    return None if peak is None else round(peak / 2**30, 2)
+    """The fullest local device's peak memory."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return round(max(peaks) / 2**30, 2) if peaks else None
 
 
 def main(argv=None) -> None:

@@ -80,6 +80,35 @@ def test_moe_benchmark_step_runs_on_two_cpu_devices():
     assert any(r.get("bench") == "summary" for r in rows)
 
 
+def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
+    """Weak scaling on simulated CPU devices: one device, and two holding one expert half each
+    (the expert layout takes the ring dispatch); each point's batch is per device, its
+    collectives and the MoE dispatch's kernels are found, and efficiencies are against the
+    best point on one and on two devices."""
+    rows = _run(["benchmarks/scale_out.py", "--platform", "cpu", "--cpus", "3",
+                 "--config", "k3_tiny", *TINY_MODEL, "--per-device-batch", "2", "--seq", "32",
+                 "--layouts", "data=1", "expert=2", "--warmup", "0", "--steps", "1",
+                 "--out", str(tmp_path)])
+    points = {r["layout"]: r for r in rows if r.get("bench") == "scale_out"}
+    assert set(points) == {"data=1", "expert=2"}
+    one, two = points["data=1"], points["expert=2"]
+    assert (one["devices"], one["batch"], two["devices"], two["batch"]) == (1, 2, 2, 4)
+    assert one["collective_ms"] == 0 < two["collective_ms"]
+    assert one["dispatch_ms"] > 0 and two["dispatch_ms"] > 0
+    assert one["efficiency"]["1"] == two["efficiency"]["2"] == 1.0
+    assert two["efficiency"]["1"] == pytest.approx(
+        two["tokens_per_s_per_device"] / one["tokens_per_s_per_device"], rel=1e-2)
+    ring = (tmp_path / "expert=2" / "stdout.jsonl").read_text()
+    assert '"model.moe.dispatch=ring"' in ring
+
+
+def test_scale_out_names_a_bad_layout():
+    for layout, expected in [("pipeline=2", "is not a layout"), ("data=9", "more devices")]:
+        out = _call(["benchmarks/scale_out.py", "--platform", "cpu", "--config", "k3_tiny",
+                     "--per-device-batch", "2", "--layouts", layout], timeout=120)
+        assert out.returncode == 2 and expected in out.stderr, out.stderr[-500:]
+
+
 def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
     rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "1",
                  "--seq", "32", "--parts", "forward", "--phases", str(tmp_path), "--top", "20"])
