@@ -105,14 +105,18 @@ class MLALayer(nn.Module):
 
     # -- expanded training path -------------------------------------------------------------------
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        x = x.astype(jnp.dtype(self.cfg.dtype))
-        b, t, _ = x.shape
-        pos = segment_positions(segment_ids, b, t)
-        q_nope, q_rope = self._query(x, pos)
-        c, k_rope = self._latent(x, pos)
+        x, q_nope, q_rope, c, k_rope = self._whole_sequence(x, segment_ids)
         q, k, v = self._expanded(q_nope, q_rope, c, k_rope)
         return self._output(x, causal_attention(q, k, v, segment_ids, self.scale,
                                                 self.cfg.mla.documents))
+
+    def _whole_sequence(self, x, segment_ids):
+        """``x [B, T, d]`` in the compute dtype, with its queries and latent at the positions of
+        ``segment_ids``: ``(x, q_nope, q_rope, c, k_rope)``."""
+        x = x.astype(jnp.dtype(self.cfg.dtype))
+        b, t, _ = x.shape
+        pos = segment_positions(segment_ids, b, t)
+        return (x, *self._query(x, pos), *self._latent(x, pos))
 
     def _expanded(self, q_nope, q_rope, c, k_rope):
         """Queries, and keys and values expanded from the latent through ``W_kvb``:
@@ -151,11 +155,8 @@ class MLALayer(nn.Module):
 
     def absorbed(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """The whole sequence through the absorbed form (must equal ``__call__``)."""
-        x = x.astype(jnp.dtype(self.cfg.dtype))
+        x, q_nope, q_rope, c, k_rope = self._whole_sequence(x, segment_ids)
         b, t, _ = x.shape
-        pos = segment_positions(segment_ids, b, t)
-        q_nope, q_rope = self._query(x, pos)
-        c, k_rope = self._latent(x, pos)
         o = self._absorbed_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t))
         return self._output(x, o.astype(x.dtype))
 
