@@ -45,7 +45,7 @@ from pathlib import Path
 
 from _timing import emit
 
-from k3jax.config.mesh import MESH_AXES
+from k3jax.config.mesh import parse_sizes
 from k3jax.sweep.runner import visible_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,15 +74,10 @@ class Point:
 
 def parse_layout(text: str) -> Point:
     """``"data=2,expert=4"`` -> :class:`Point`; a clear error for anything else."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
-    for item in text.split(","):
-        name, sep, value = item.partition("=")
-        if not sep or name not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--layouts: {text!r} is not a layout; expected axis=size items "
-                             f"joined by commas, axes among {MESH_AXES}, sizes >= 1 "
-                             f"(e.g. data=2,expert=4)")
-        sizes[name] = int(value)
-    return Point(tuple(sizes.items()))
+    try:
+        return Point(tuple(parse_sizes(text).items()))
+    except ValueError as e:
+        raise ValueError(f"--layouts: {e}") from None
 
 
 def point_args(point: Point, args, out_dir: Path, lock: str) -> list[str]:

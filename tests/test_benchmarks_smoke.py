@@ -103,7 +103,7 @@ def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
 
 
 def test_scale_out_names_a_bad_layout():
-    for layout, expected in [("pipeline=2", "is not a layout"), ("data=9", "more devices")]:
+    for layout, expected in [("pipeline=2", "is not a mesh"), ("data=9", "more devices")]:
         out = _call(["benchmarks/scale_out.py", "--platform", "cpu", "--config", "k3_tiny",
                      "--per-device-batch", "2", "--layouts", layout], timeout=120)
         assert out.returncode == 2 and expected in out.stderr, out.stderr[-500:]

@@ -48,6 +48,7 @@ def test_stored_step_loads_and_computes_the_same(toy, tmp_path):
     assert len(list(tmp_path.glob("*.executable"))) == 1
     loaded = toy["compile"](cache)
     assert set(loaded.seconds) == {"load_s"}
+    assert loaded.temp_bytes() == first.temp_bytes()  # the loop logs it for a loaded step too
     for a, b in zip(_outputs(first, toy["args"]), _outputs(loaded, toy["args"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Another description is another program: compiled and stored beside the first.

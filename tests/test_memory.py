@@ -4,6 +4,7 @@ what it shards, and a mesh that cannot hold the state is refused with the smalle
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -47,8 +48,9 @@ def test_a_mesh_too_small_is_refused_with_the_smallest_that_fits(tiny):
     need = state_bytes_per_device(cfg, {}, abstract).total
     check_state_fits(cfg, {"fsdp": 1}, device_bytes=need / 0.5, abstract=abstract)
     check_state_fits(cfg, {"fsdp": 1}, device_bytes=None, abstract=abstract)
-    with pytest.raises(ConfigError, match=r"fsdp=1.*GiB per device.*smallest mesh that fits: "
-                                          r"mesh.fsdp=\d+, mesh.expert=\d+"):
+    refused = (r"fsdp=1.*GiB \(parameters .*\) per device.*"
+               r"smallest mesh that fits: mesh.fsdp=\d+, mesh.expert=\d+")
+    with pytest.raises(ConfigError, match=refused):
         check_state_fits(cfg, {"fsdp": 1}, device_bytes=need * 0.9, abstract=abstract)
     with pytest.raises(ConfigError, match="no fsdp x expert mesh"):
         check_state_fits(cfg, {"fsdp": 1}, device_bytes=1.0, abstract=abstract)
@@ -58,3 +60,23 @@ def test_unknown_axes_are_named():
     cfg = load_config(preset_path("k3_tiny"))
     with pytest.raises(ConfigError, match="unknown mesh axes"):
         state_bytes_per_device(cfg, {"pipeline": 2})
+
+
+def test_cli_sizes_the_state_on_a_mesh_and_names_what_is_wrong(capsys):
+    """``python -m k3jax.train.memory``: the count of :func:`state_bytes_per_device` on the mesh
+    asked for; a device too small is refused as train.py refuses it, and a bad mesh is named."""
+    from k3jax.train.memory import main
+
+    assert main(["--config", "k3_tiny", "--mesh", "fsdp=2,expert=2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    need = state_bytes_per_device(load_config(preset_path("k3_tiny")), {"fsdp": 2, "expert": 2})
+    assert (row["params"], row["grads"], row["optimizer"], row["total"]) == (
+        need.params, need.grads, need.optimizer, need.total)
+    assert main(["--config", "k3_tiny", "--mesh", "expert=2"]) == 0
+    assert "k3_tiny (expert=2): training state" in capsys.readouterr().out
+    for args, expected in [(["--mesh", "fsdp=3"], "does not divide"),
+                           (["--mesh", "pipeline=2"], "--mesh: 'pipeline=2' is not a mesh"),
+                           (["--mesh", "data=1", "--device-gib", f"{need.total / 2**30:.9f}"],
+                            "smallest mesh that fits")]:
+        assert main(["--config", "k3_tiny", *args]) == 2
+        assert expected in capsys.readouterr().err, args

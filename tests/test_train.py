@@ -121,6 +121,15 @@ def test_tiny_run_learns_and_logs(runs):
         assert all(np.isfinite(r[key]) for r in train), key
     assert any((a / "tensorboard").iterdir())
     assert "[done]" in runs["A"].stderr and "bits/byte" in runs["A"].stderr
+    # Per-device memory: the state as sized before the compile, XLA's temporaries after it.
+    from k3jax.config.experiment import load_config
+    from k3jax.train.memory import state_bytes_per_device
+
+    (compiled,) = [r for r in records if r["kind"] == "compile"]
+    cfg = load_config(runs["root"] / "preset.py")
+    assert compiled["state_bytes"] == state_bytes_per_device(cfg, {}).total
+    assert compiled["temp_bytes"] > 0
+    assert "[memory] per device: training state" in runs["A"].stderr
 
 
 def test_resume_after_sigkill_is_bit_exact_and_skips_damage(runs):

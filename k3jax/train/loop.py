@@ -26,7 +26,6 @@ from k3jax.data import make_data
 from k3jax.files import write_atomically
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.evaluation import evaluate_batches, task_batches
-from k3jax.train.memory import check_state_fits
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
 from k3jax.train.optim import build_optimizer, schedule_args
 from k3jax.train.resume import check_schedule, history
@@ -103,6 +102,10 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
         under_mesh,
     )
 
+    # Here, not at the top: `python -m k3jax.train.memory` runs that module as a script, which
+    # importing the package must not have imported already.
+    from k3jax.train.memory import check_state_fits, memory_line, memory_record
+
     first_process = jax.process_index() == 0
     config = _recorded_config(cfg, data)
     log(f"[data] {data.description}")
@@ -120,8 +123,8 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
 
     state_shapes = jax.eval_shape(make_state, params, variables.get("balance", {}))
     # The per-device state against the device's memory, before any compile.
-    check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
-                     abstract=(params, axes, state_shapes["opt_state"]))
+    state_bytes = check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
+                                   abstract=(params, axes, state_shapes["opt_state"]))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
                         log=log, on_save_error=cfg.checkpoint.on_save_error)
     try:
@@ -256,12 +259,15 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
                 jax.block_until_ready(metrics["loss"])
                 prog.window_t, prog.window_steps = time.time(), 0
                 first, since_start = prog.window_t - t_call, prog.window_t - t_start
+                temp = compiled.temp_bytes()
                 writer.write(done, "compile", {"first_step_s": first,
                                                "start_to_first_step_s": since_start,
-                                               **compiled.seconds})
+                                               **compiled.seconds,
+                                               **memory_record(state_bytes, temp)})
                 log(f"[compile] first train step done {since_start:.1f} s after the start; "
                     f"{_compile_words(compiled.seconds)} while the state was set up, then the "
                     f"step waited {first:.1f} s")
+                log(memory_line(state_bytes, temp))
                 first_step.set_result(None)
             elif fresh:  # its compile is not throughput: the window starts after it
                 jax.block_until_ready(metrics["loss"])

@@ -96,24 +96,89 @@ def smallest_mesh(cfg, sizes: Mapping[str, int], budget_bytes: float,
 
 
 def check_state_fits(cfg, sizes: Mapping[str, int], device_bytes: float | None,
-                     share: float = 0.6, abstract=None) -> None:
+                     share: float = 0.6, abstract=None) -> StateBytes | None:
     """Refuse a mesh whose per-device state (parameters, gradients, optimiser state) takes more
     than ``share`` of a device's memory (the rest is for activations), naming the smallest mesh
     that fits (:func:`smallest_mesh`). ``device_bytes`` None (unknown, e.g. the CPU) checks
-    nothing. ``abstract`` as in :func:`state_bytes_per_device`."""
-    if device_bytes is None:
-        return
+    nothing. ``abstract`` as in :func:`state_bytes_per_device`. Returns the per-device state
+    (None when the mesh does not divide a sharded dimension, which fails with its own error)."""
     need = state_bytes_per_device(cfg, sizes, abstract)
-    budget = share * device_bytes
-    if need is None or need.total <= budget:  # an indivisible mesh fails with its own error
-        return
+    budget = None if device_bytes is None else share * device_bytes
+    if need is None or budget is None or need.total <= budget:
+        return need
     fits = smallest_mesh(cfg, sizes, budget, abstract=abstract)
     asked = ", ".join(f"{k}={v}" for k, v in sizes.items())
     hint = ("the smallest mesh that fits: " + ", ".join(f"mesh.{k}={v}" for k, v in fits.items())
             + f" ({math.prod(fits.values())} devices)" if fits
             else "no fsdp x expert mesh up to 4096 devices fits")
     raise ConfigError(
-        f"mesh ({asked}): the training state needs {need.total / 2**30:.1f} GiB per device "
-        f"(parameters {need.params / 2**30:.1f}, gradients {need.grads / 2**30:.1f}, optimiser "
-        f"{need.optimizer / 2**30:.1f}), over {share:.0%} of the device's "
-        f"{device_bytes / 2**30:.1f} GiB; {hint}")
+        f"mesh ({asked}): the training state needs {describe(need)} per device, over "
+        f"{share:.0%} of the device's {device_bytes / 2**30:.1f} GiB; {hint}")
+
+
+def describe(need: StateBytes) -> str:
+    """``"12.4 GiB (parameters 4.1, gradients 4.1, optimiser 4.2)"``."""
+    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+    return (f"{gib(need.total)} GiB (parameters {gib(need.params)}, gradients "
+            f"{gib(need.grads)}, optimiser {gib(need.optimizer)})")
+
+
+def memory_line(state: StateBytes | None, temp: int | None) -> str:
+    """The training loop's per-device memory line: the state (sized before the compile) and
+    XLA's temporaries of the compiled step (activations and workspaces)."""
+    held = "unknown" if state is None else describe(state)
+    extra = "" if temp is None else f"; XLA's temporaries {temp / 2**30:.1f} GiB"
+    return f"[memory] per device: training state {held}{extra}"
+
+
+def memory_record(state: StateBytes | None, temp: int | None) -> dict:
+    """The same in bytes, for ``metrics.jsonl``'s compile record."""
+    record = {} if state is None else {"state_bytes": state.total}
+    return record if temp is None else {**record, "temp_bytes": temp}
+
+
+def main(argv=None) -> int:
+    """The per-device training state of a preset on a mesh, and whether it fits a device of a
+    given memory (what ``train.py`` checks before it compiles), from shapes alone."""
+    import argparse
+    import json
+    import sys
+
+    from k3jax.config.experiment import load_config, preset_path
+    from k3jax.config.mesh import parse_sizes
+
+    ap = argparse.ArgumentParser(prog="python -m k3jax.train.memory",
+                                 description=main.__doc__.replace("\n    ", " "))
+    ap.add_argument("--config", required=True, help="preset file or preset name (k3_1b)")
+    ap.add_argument("--mesh", default="data=1", help="axis sizes, e.g. fsdp=4,expert=2")
+    ap.add_argument("--device-gib", type=float,
+                    help="refuse, as train.py does, a state over 60%% of a device of this many "
+                         "GiB (an H200: 141), naming the smallest mesh that fits")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        try:
+            sizes = parse_sizes(args.mesh)
+        except ValueError as e:
+            raise ConfigError(f"--mesh: {e}") from None
+        cfg = load_config(preset_path(args.config))
+        device = None if args.device_gib is None else args.device_gib * 2**30
+        need = check_state_fits(cfg, sizes, device, abstract=abstract_state(cfg))
+        if need is None:
+            raise ConfigError(f"--mesh {args.mesh}: a sharded dimension of the state does not "
+                              f"divide by its axis size")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mesh = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
+    if args.json:
+        print(json.dumps({"config": args.config, "mesh": sizes, "params": need.params,
+                          "grads": need.grads, "optimizer": need.optimizer,
+                          "total": need.total}))
+    else:
+        print(f"{args.config} ({mesh}): training state {describe(need)} per device")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
