@@ -132,15 +132,19 @@ def run_points(points: list[Point], args, out_root: Path, lock: str) -> dict[Poi
             print(f"[scale_out] {point.name}: started on {args.platform} devices "
                   f"{','.join(taken)}", file=sys.stderr, flush=True)
         for point, (proc, taken, t0) in list(running.items()):
-            if proc.poll() is None:
+            if proc.poll() is None and time.time() - t0 < args.point_timeout:
                 continue
+            if proc.poll() is None:  # a hung point must not hold the others' results
+                proc.kill()
+                proc.wait()
             del running[point]
             free += taken
             text = (out_root / point.name / "stdout.jsonl").read_text()
             rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
             if proc.returncode != 0:
                 tail = (out_root / point.name / "stderr.log").read_text()[-1500:]
-                rows = [{"error": f"step_profile.py exited with {proc.returncode}: {tail}"}]
+                rows = [{"error": f"step_profile.py exited with {proc.returncode} after "
+                                  f"{time.time() - t0:.0f} s: {tail}"}]
             results[point] = rows
             print(f"[scale_out] {point.name}: done in {time.time() - t0:.0f} s",
                   file=sys.stderr, flush=True)
@@ -222,6 +226,8 @@ def main(argv=None) -> None:
     ap.add_argument("--trace-steps", type=int, default=1)
     ap.add_argument("--attribute", action="store_true",
                     help="no XLA command buffers: every kernel names its source")
+    ap.add_argument("--point-timeout", type=float, default=1200.0, metavar="S",
+                    help="seconds after which a point's run is stopped and reported as an error")
     ap.add_argument("--sequential", action="store_true",
                     help="one point at a time (no compile on the host beside a timed step)")
     ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",

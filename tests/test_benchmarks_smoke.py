@@ -102,6 +102,15 @@ def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
     assert '"model.moe.dispatch=ring"' in ring
 
 
+def test_scale_out_stops_a_point_past_its_time_limit():
+    out = _call(["benchmarks/scale_out.py", "--platform", "cpu", "--config", "k3_tiny",
+                 "--per-device-batch", "2", "--layouts", "data=1", "--point-timeout", "1"],
+                timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    (line,) = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert line["layout"] == "data=1" and "exited with -9 after" in line["error"], line
+
+
 def test_scale_out_names_a_bad_layout():
     for layout, expected in [("pipeline=2", "is not a mesh"), ("data=9", "more devices")]:
         out = _call(["benchmarks/scale_out.py", "--platform", "cpu", "--config", "k3_tiny",
