@@ -21,8 +21,15 @@ from k3jax.config.experiment import OptimConfig
 from k3jax.sweep import Budget, Executor, Ladder, Sweep, SweepError, Variant, load_sweep
 from k3jax.sweep.__main__ import main
 from k3jax.sweep.plan import branch_step, plan_sweep
-from k3jax.sweep.report import collect
-from k3jax.sweep.runner import PLAN_FILE, check_executor, run_sweep, write_plan
+from k3jax.sweep.report import collect, side_by_side
+from k3jax.sweep.runner import (
+    PLAN_FILE,
+    TIMING_FILE,
+    check_executor,
+    run_dir,
+    run_sweep,
+    write_plan,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,6 +154,23 @@ def test_report_writes_tables_plots_and_summary(toy):
     summary = (out / "summary.md").read_text()
     assert "no IsoFLOP fit" in summary and "| swiglu | 32 |" in summary
     assert (out / "loss_vs_compute.png").stat().st_size > 1000
+    # B ran two points at a time: with points running less long than their times added up.
+    busy, summed = side_by_side(toy["B"])
+    # (a point killed between its end and its timing record has none: wall_s None)
+    assert sum(r["wall_s"] or 0 for r in rows) == pytest.approx(summed)
+    assert 0 < busy < summed
+    assert f"Wall time {busy:.0f} s with points running" in summary
+
+
+def test_side_by_side_merges_overlapping_launches(tmp_path):
+    """The busy time is the union of the points' spans (gaps between launches left out)."""
+    spans = {"a": [[0, 10], [100, 110]], "b": [[5, 20]], "c": [[120, 125]]}
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"points": [{"name": n} for n in spans]}))
+    for name, s in spans.items():
+        d = run_dir(tmp_path, name)
+        d.mkdir(parents=True)
+        (d / TIMING_FILE).write_text(json.dumps(s))
+    assert side_by_side(tmp_path) == (20 + 10 + 5, 10 + 10 + 15 + 5)
 
 
 def test_wsd_branches_equal_full_wsd_runs(env):

@@ -65,6 +65,25 @@ def collect(root: str | Path) -> list[dict]:
     return rows
 
 
+def side_by_side(root: str | Path) -> tuple[float, float] | None:
+    """``(busy, summed)`` seconds of the sweep's points from their timing files: the time during
+    which at least one point ran (the union of every launch's span: the gaps between resumed
+    launches left out), and the points' wall times added up, what running them in turn would
+    take if each ran as fast alone as beside the others. None before any point has run."""
+    root = Path(root)
+    spans = sorted(span for p in read_plan(root)["points"]
+                   if (run_dir(root, p["name"]) / TIMING_FILE).is_file()
+                   for span in json.loads((run_dir(root, p["name"]) / TIMING_FILE).read_text()))
+    if not spans:
+        return None
+    busy, (start, end) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > end:
+            busy, start = busy + end - start, a
+        end = max(end, b)
+    return busy + end - start, sum(b - a for a, b in spans)
+
+
 def measured_tokens_per_s(root: str | Path) -> dict[tuple[str, int], float]:
     """Median tokens/s of finished points per (variant, size)."""
     out: dict[tuple[str, int], list[float]] = {}
@@ -236,16 +255,22 @@ def _fmt(x: dict, digits: int = 3) -> str:
     return f"{x['value']:.{digits}g} [{x['low']:.{digits}g}, {x['high']:.{digits}g}]"
 
 
-def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resamples: int) -> str:
+def _summary(plan: dict, rows: list[dict], fits: dict, plots: list[str], resamples: int,
+             times: tuple[float, float] | None) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "started",
                                                                "pending")}
     lines = [f"# Sweep `{plan['sweep']}`", "",
-             f"{len(rows)} points: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
-             (f"Intervals are 95% percentile bootstrap intervals over runs ({resamples} "
-             "resamples, within each compute budget)."), "",
-             ("| variant | size | N | N_total | D | C | seed | loss | bits/byte | tokens/s | MFU "
-             "| wall s | start-up s | overhead | status |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"{len(rows)} points: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + "."]
+    if times:
+        busy, summed = times
+        lines.append(f"Wall time {busy:.0f} s with points running; their own wall times add up "
+                     f"to {summed:.0f} s, {summed / busy:.2f}x as long (each as it ran beside "
+                     f"the others: alone a point may run faster).")
+    lines += [(f"Intervals are 95% percentile bootstrap intervals over runs ({resamples} "
+               "resamples, within each compute budget)."), "",
+              ("| variant | size | N | N_total | D | C | seed | loss | bits/byte | tokens/s | MFU "
+               "| wall s | start-up s | overhead | status |"),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     num = lambda x, f: "-" if x is None else format(x, f)
     for r in rows:
         lines.append(f"| {r['variant']} | {r['size']} | {r['n']:,} | {r['n_total']:,} | "
@@ -310,5 +335,5 @@ def write_report(root: str | Path, compute: float | None = None, resamples: int 
     (out / "fits.json").write_text(json.dumps(fits, indent=1))
     plots = _plots(runs, fits, out) if runs else []
     path = out / "summary.md"
-    path.write_text(_summary(plan, rows, fits, plots, resamples))
+    path.write_text(_summary(plan, rows, fits, plots, resamples, side_by_side(root)))
     return str(path)
