@@ -110,44 +110,65 @@ def point_env(point: Point, platform: str, gpus: list[str]) -> dict[str, str]:
     return env
 
 
+@dataclass
+class Running:
+    """A point's ``step_profile.py`` process, the devices it holds and its output files."""
+
+    proc: subprocess.Popen
+    devices: list[str]
+    start: float
+    out_dir: Path
+    files: tuple
+
+
+def start_point(point: Point, devices: list[str], args, out_root: Path, lock: str) -> Running:
+    out_dir = out_root / point.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = (open(out_dir / "stdout.jsonl", "w"), open(out_dir / "stderr.log", "w"))
+    proc = subprocess.Popen(point_args(point, args, out_dir, lock), cwd=ROOT,
+                            env=point_env(point, args.platform, devices), stdout=files[0],
+                            stderr=files[1])
+    print(f"[scale_out] {point.name}: started on {args.platform} devices {','.join(devices)}",
+          file=sys.stderr, flush=True)
+    return Running(proc, devices, time.time(), out_dir, files)
+
+
+def finish_point(point: Point, run: Running) -> list[dict]:
+    """The point's JSON lines once its process has ended (or was stopped), or its error."""
+    for f in run.files:
+        f.close()
+    seconds = time.time() - run.start
+    print(f"[scale_out] {point.name}: done in {seconds:.0f} s", file=sys.stderr, flush=True)
+    if run.proc.returncode != 0:
+        tail = (run.out_dir / "stderr.log").read_text()[-1500:]
+        return [{"error": f"step_profile.py exited with {run.proc.returncode} after "
+                          f"{seconds:.0f} s: {tail}"}]
+    text = (run.out_dir / "stdout.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
 def run_points(points: list[Point], args, out_root: Path, lock: str) -> dict[Point, list[dict]]:
     """Every point's JSON lines; points start as soon as enough devices are free (the largest
     first, so the host is never left waiting on it at the end)."""
     free = visible_gpus() if args.platform == "gpu" else [str(i) for i in range(args.cpus)]
     waiting = sorted(points, key=lambda p: -p.devices)
-    ready = lambda p: p.devices <= len(free) and not (args.sequential and running)  # noqa: E731
-    running: dict[Point, tuple[subprocess.Popen, list[str], float]] = {}
+    running: dict[Point, Running] = {}
     results: dict[Point, list[dict]] = {}
     while waiting or running:
-        for point in [p for p in waiting if ready(p)][:1 if args.sequential else None]:
-            taken, free = free[:point.devices], free[point.devices:]
-            out_dir = out_root / point.name
-            out_dir.mkdir(parents=True, exist_ok=True)
-            log = open(out_dir / "stdout.jsonl", "w")
-            proc = subprocess.Popen(point_args(point, args, out_dir, lock), cwd=ROOT,
-                                    env=point_env(point, args.platform, taken), stdout=log,
-                                    stderr=open(out_dir / "stderr.log", "w"))
-            running[point] = (proc, taken, time.time())
-            waiting.remove(point)
-            print(f"[scale_out] {point.name}: started on {args.platform} devices "
-                  f"{','.join(taken)}", file=sys.stderr, flush=True)
-        for point, (proc, taken, t0) in list(running.items()):
-            if proc.poll() is None and time.time() - t0 < args.point_timeout:
+        for point in list(waiting):
+            if point.devices > len(free) or (args.sequential and running):
                 continue
-            if proc.poll() is None:  # a hung point must not hold the others' results
-                proc.kill()
-                proc.wait()
-            del running[point]
-            free += taken
-            text = (out_root / point.name / "stdout.jsonl").read_text()
-            rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-            if proc.returncode != 0:
-                tail = (out_root / point.name / "stderr.log").read_text()[-1500:]
-                rows = [{"error": f"step_profile.py exited with {proc.returncode} after "
-                                  f"{time.time() - t0:.0f} s: {tail}"}]
-            results[point] = rows
-            print(f"[scale_out] {point.name}: done in {time.time() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
+            taken, free = free[:point.devices], free[point.devices:]
+            running[point] = start_point(point, taken, args, out_root, lock)
+            waiting.remove(point)
+        for point, run in list(running.items()):
+            if run.proc.poll() is None and time.time() - run.start < args.point_timeout:
+                continue
+            if run.proc.poll() is None:  # a hung point must not hold the others' results
+                run.proc.kill()
+                run.proc.wait()
+            results[point] = finish_point(point, running.pop(point))
+            free += run.devices
         time.sleep(POLL_S)
     return results
 

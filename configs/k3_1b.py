@@ -7,7 +7,8 @@ tokens travel to their experts' devices by the ring dispatch), e.g. on 8 GPUs::
     --set mesh.data=1 --set mesh.fsdp=4 --set mesh.expert=2 --set model.moe.dispatch=ring
 
 ``python -m k3jax.train.memory --config k3_1b --mesh fsdp=4,expert=2`` sizes its state per
-device (4.8 GiB there, against 12.4 on one device); ``make bench-scale`` measures such layouts."""
+device (4.8 GiB there, against 12.4 GiB on one device); ``make bench-scale`` measures such
+layouts."""
 
 import dataclasses
 

@@ -48,7 +48,7 @@ def test_a_mesh_too_small_is_refused_with_the_smallest_that_fits(tiny):
     need = state_bytes_per_device(cfg, {}, abstract).total
     check_state_fits(cfg, {"fsdp": 1}, device_bytes=need / 0.5, abstract=abstract)
     check_state_fits(cfg, {"fsdp": 1}, device_bytes=None, abstract=abstract)
-    refused = (r"fsdp=1.*GiB \(parameters .*\) per device.*"
+    refused = (r"fsdp=1.*iB \(parameters .*\) per device.*"
                r"smallest mesh that fits: mesh.fsdp=\d+, mesh.expert=\d+")
     with pytest.raises(ConfigError, match=refused):
         check_state_fits(cfg, {"fsdp": 1}, device_bytes=need * 0.9, abstract=abstract)

@@ -116,18 +116,22 @@ def check_state_fits(cfg, sizes: Mapping[str, int], device_bytes: float | None,
         f"{share:.0%} of the device's {device_bytes / 2**30:.1f} GiB; {hint}")
 
 
+def size(n: float) -> str:
+    """``"12.4 GiB"``, or ``"37.5 MiB"`` under a GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def describe(need: StateBytes) -> str:
-    """``"12.4 GiB (parameters 4.1, gradients 4.1, optimiser 4.2)"``."""
-    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
-    return (f"{gib(need.total)} GiB (parameters {gib(need.params)}, gradients "
-            f"{gib(need.grads)}, optimiser {gib(need.optimizer)})")
+    """``"12.4 GiB (parameters 4.0 GiB, gradients 4.0 GiB, optimiser 4.3 GiB)"``."""
+    return (f"{size(need.total)} (parameters {size(need.params)}, gradients "
+            f"{size(need.grads)}, optimiser {size(need.optimizer)})")
 
 
 def memory_line(state: StateBytes | None, temp: int | None) -> str:
     """The training loop's per-device memory line: the state (sized before the compile) and
     XLA's temporaries of the compiled step (activations and workspaces)."""
     held = "unknown" if state is None else describe(state)
-    extra = "" if temp is None else f"; XLA's temporaries {temp / 2**30:.1f} GiB"
+    extra = "" if temp is None else f"; XLA's temporaries {size(temp)}"
     return f"[memory] per device: training state {held}{extra}"
 
 
