@@ -1,7 +1,7 @@
 # Two entry points a fresh machine needs: `make train` (the main job) and `make test`.
 # Both create the Python 3.12 virtual environment on first use.
 #
-# The GPU targets (bench-kda, bench-moe, bench-train, bench-scale, test-gpu) run on a CUDA machine with the
+# The GPU targets (bench-kda, bench-moe, bench-train, bench-scale, bench-sweep, test-gpu) run on a CUDA machine with the
 # system `python3` (jax, flax, optax, orbax, chex, torch and triton installed; no .venv). Each
 # writes JSON lines and logs to $(OUT) if set, else runs/bench/; docs/benchmarks.md holds the figures.
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ RECORD_ENV = mkdir -p $(BENCH_OUT) && { date -u; nvidia-smi \
   --query-gpu=name,memory.total,driver_version --format=csv; \
   cat COMMIT 2>/dev/null || git rev-parse HEAD; } > $(BENCH_OUT)/env.txt 2>&1
 
-.PHONY: venv train test bench-kda bench-moe bench-train bench-scale test-gpu clean
+.PHONY: venv train test bench-kda bench-moe bench-train bench-scale bench-sweep test-gpu clean
 
 venv: $(STAMP)
 
@@ -96,6 +96,21 @@ bench-scale:
 	  python3 benchmarks/scale_out.py --config k3_1b --per-device-batch 16 \
 	    --set train.micro_batches=1 --layouts $(LAYOUTS) --out $(BENCH_OUT)/scale \
 	    2>&1 | tee $(BENCH_OUT)/scale_out.log | grep '^{' > $(BENCH_OUT)/scale_out.jsonl
+
+# The GPUs of one host: the 16 short runs of configs/sweeps/fill_gpus.py two to a GPU on every GPU,
+# then the same runs in turn on the first GPU; each sweep's wall time in sweep_times.txt, and its
+# report (whose summary opens with the time points were running against their own times added).
+bench-sweep:
+	@$(RECORD_ENV)
+	set -o pipefail; export $(GPU_ENV) PYTHONPATH=$(CURDIR); spec=configs/sweeps/fill_gpus.py; \
+	  rm -rf $(BENCH_OUT)/sweep_side_by_side $(BENCH_OUT)/sweep_in_turn; \
+	  t0=$$(date +%s); python3 -m k3jax.sweep run $$spec --dir $(BENCH_OUT)/sweep_side_by_side \
+	    2>&1 | tee $(BENCH_OUT)/sweep_side_by_side.log; \
+	  echo "side by side, every GPU: $$(( $$(date +%s) - t0 )) s" | tee $(BENCH_OUT)/sweep_times.txt; \
+	  t0=$$(date +%s); CUDA_VISIBLE_DEVICES=0 python3 -m k3jax.sweep run $$spec --per-device 1 \
+	    --dir $(BENCH_OUT)/sweep_in_turn 2>&1 | tee $(BENCH_OUT)/sweep_in_turn.log; \
+	  echo "in turn, one GPU: $$(( $$(date +%s) - t0 )) s" | tee -a $(BENCH_OUT)/sweep_times.txt; \
+	  for d in side_by_side in_turn; do python3 -m k3jax.sweep report $(BENCH_OUT)/sweep_$$d; done
 
 # Every GPU test file at real sizes (the two-GPU dispatch tests skip themselves on one GPU).
 test-gpu:

@@ -300,3 +300,11 @@ def test_report_fits_isoflop_profiles_and_the_multiplier(tmp_path):
         assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
     summary = (tmp_path / "r" / "summary.md").read_text()
     assert "## Compute multipliers against `situ`" in summary and "excludes 1" in summary
+
+
+@pytest.mark.parametrize("spec", sorted(p.name for p in (ROOT / "configs" / "sweeps").glob("*.py")
+                                        if p.name != "__init__.py"))
+def test_every_shipped_sweep_file_plans(spec, capsys):
+    """The sweep files in configs/sweeps build and plan (shapes only; nothing trains)."""
+    assert main(["plan", str(ROOT / "configs" / "sweeps" / spec)]) == 0
+    assert " points in " in capsys.readouterr().out
