@@ -3,7 +3,7 @@ to a GPU, against the same runs in turn (``make bench-sweep`` runs both and repo
 times).
 
 ``hybrid_vs_mla.py``'s models (the 3:1 hybrid against pure MLA, four layers, plain residual) at
-four widths (d_model 64-256) with a 256-token vocabulary, two seeds each, 2M tokens a run. The
+four widths (d_model 64-256) with a 256-token vocabulary, two seeds each, 1M tokens a run. The
 runs are small, so the GPU is mostly idle between kernels and the start-up (compile) is most of a
 run's time: what running side by side buys.
 """
@@ -29,7 +29,7 @@ def get_sweep() -> Sweep:
         name="fill_gpus",
         base=base(),
         ladder=Ladder(sizes=(64, 128, 192, 256), knob="width"),
-        budget=Budget(tokens=(2_097_152,)),
+        budget=Budget(tokens=(1_048_576,)),
         variants=(Variant("hybrid"), Variant("mla", ("model.mla_every=1",))),
         baseline="hybrid",
         seeds=(0, 1),
