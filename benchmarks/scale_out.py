@@ -73,11 +73,9 @@ class Point:
 
 
 def parse_layout(text: str) -> Point:
-    """``"data=2,expert=4"`` -> :class:`Point`; a clear error for anything else."""
-    try:
-        return Point(tuple(parse_sizes(text).items()))
-    except ValueError as e:
-        raise ValueError(f"--layouts: {e}") from None
+    """``"data=2,expert=4"`` -> :class:`Point`; a ValueError naming ``--layouts`` for anything
+    else."""
+    return Point(tuple(parse_sizes(text, "--layouts").items()))
 
 
 def point_args(point: Point, args, out_dir: Path, lock: str) -> list[str]:

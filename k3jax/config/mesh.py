@@ -125,15 +125,16 @@ class MeshConfig:
         return sizes
 
 
-def parse_sizes(text: str) -> dict[str, int]:
-    """``"fsdp=4,expert=2"`` -> every mesh axis's size (those left out 1); a ``ValueError`` that
-    shows the expected form for anything else."""
+def parse_sizes(text: str, arg: str) -> dict[str, int]:
+    """``"fsdp=4,expert=2"`` -> every mesh axis's size (those left out 1); for anything else a
+    ``ValueError`` naming the command-line argument ``arg`` and the expected form."""
     sizes = dict.fromkeys(MESH_AXES, 1)
     for item in text.split(","):
         name, sep, value = item.strip().partition("=")
         if not sep or name not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{text!r} is not a mesh; expected axis=size items joined by "
-                             f"commas, axes among {MESH_AXES}, sizes >= 1 (e.g. fsdp=4,expert=2)")
+            raise ValueError(f"{arg}: {text!r} is not a mesh; expected axis=size items joined "
+                             f"by commas, axes among {MESH_AXES}, sizes >= 1 (e.g. "
+                             f"fsdp=4,expert=2)")
         sizes[name] = int(value)
     return sizes
 

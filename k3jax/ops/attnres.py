@@ -199,7 +199,8 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
         valid = valid.astype(jnp.int32)[None]
         b, t, d = sources[0].shape
         rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
-        if impl == "pallas" or kernels.supports(rows, _query(w, g), scale, valid):  # they check
+        u = jax.ShapeDtypeStruct((d,), _F32)  # the folded query's shape: nothing traced to ask
+        if impl == "pallas" or kernels.supports(rows, u, scale, valid):  # they check
             return depth_mix_norm_kernels(sources, w, g, scale, valid,
                                           (float(eps), float(norm_eps)))
     h, alpha = _depth_mix(float(eps), sources, valid, w, g)

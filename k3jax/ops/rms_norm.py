@@ -1,4 +1,4 @@
-"""RMSNorm, the formula (math §2): statistics in fp32, one rounding."""
+"""RMSNorm, the formula (docs/math.md, Conventions): statistics in fp32, one rounding."""
 
 from __future__ import annotations
 

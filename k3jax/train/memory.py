@@ -161,17 +161,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object")
     args = ap.parse_args(argv)
     try:
-        try:
-            sizes = parse_sizes(args.mesh)
-        except ValueError as e:
-            raise ConfigError(f"--mesh: {e}") from None
+        sizes = parse_sizes(args.mesh, "--mesh")
         cfg = load_config(preset_path(args.config))
         device = None if args.device_gib is None else args.device_gib * 2**30
         need = check_state_fits(cfg, sizes, device, abstract=abstract_state(cfg))
         if need is None:
             raise ConfigError(f"--mesh {args.mesh}: a sharded dimension of the state does not "
                               f"divide by its axis size")
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     mesh = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
