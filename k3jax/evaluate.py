@@ -23,7 +23,7 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     array on one device (no topology guess from the files)."""
     import jax
 
-    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.checkpoint import Checkpointer, verify_newest_ahead
 
     workdir = Path(workdir)
     cfg_file = workdir / "config.json"
@@ -31,14 +31,15 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
         raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
     config = json.loads(cfg_file.read_text())
     cfg: ExperimentConfig = from_dict(ExperimentConfig, config)
+    if not (workdir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
+    verified = verify_newest_ahead(workdir / "checkpoints")  # hashed while the model is traced
     micro = cfg.data.batch_size // cfg.train.micro_batches
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
         _state_shapes(cfg, micro))
-    if not (workdir / "checkpoints").is_dir():
-        raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, log=log, verified=verified)
     restored = ckpt.restore_latest(abstract, config, move_aside=False)
     ckpt.close()
     if restored is None:

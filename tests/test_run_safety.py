@@ -29,12 +29,14 @@ import pytest
 from k3jax.config import ConfigError
 from k3jax.config.experiment import ExperimentConfig, OptimConfig, TrainConfig
 from k3jax.data import build_corpus, open_corpus
+from k3jax.train import checkpoint
 from k3jax.train.checkpoint import (
     MANIFEST,
     UNRESTORABLE,
     Checkpointer,
     CheckpointSaveError,
     abstract_like,
+    verify_newest_ahead,
 )
 from k3jax.train.resume import check_schedule, history
 from k3jax.train.workdir import LOCK_FILE, WorkdirInUse, WorkdirLock
@@ -93,13 +95,19 @@ def _unfinished(step_dir: Path) -> None:
     (step_dir / MANIFEST).unlink()  # what a save killed before its manifest leaves
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["checked-in-turn", "checked-ahead"])
 @pytest.mark.parametrize("damage, reason", [(_flip, "changed since it was saved"),
                                             (_truncate, "changed since it was saved"),
                                             (_unfinished, "the save did not finish")])
-def test_damaged_checkpoint_is_named_moved_aside_and_the_older_one_used(tmp_path, damage, reason):
+def test_damaged_checkpoint_is_named_moved_aside_and_the_older_one_used(tmp_path, damage, reason,
+                                                                        ahead):
     lines = []
     ckpt = _checkpoints(tmp_path, log=lines.append)
     damage(tmp_path / "checkpoints" / "4")
+    if ahead:  # as a run resumes: the newest one's files checked while the model is traced
+        ckpt.close()
+        ckpt = Checkpointer(tmp_path / "checkpoints", keep=5, log=lines.append,
+                            verified=verify_newest_ahead(tmp_path / "checkpoints"))
     state, meta = ckpt.restore_latest(_abstract(), {})
     ckpt.close()
     assert meta["step"] == 2 and np.array_equal(state["params"]["w"], _state(2)["params"]["w"])
@@ -107,6 +115,31 @@ def test_damaged_checkpoint_is_named_moved_aside_and_the_older_one_used(tmp_path
     assert reason in lines[0] and str(tmp_path / UNRESTORABLE / "4") in lines[0]
     assert (tmp_path / UNRESTORABLE / "4").is_dir()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_the_check_made_ahead_is_the_one_taken(tmp_path, monkeypatch):
+    assert verify_newest_ahead(tmp_path / "checkpoints") == {}  # no directory yet
+    _checkpoints(tmp_path).close()
+    verified = verify_newest_ahead(tmp_path / "checkpoints")
+    assert list(verified) == [4]
+    verified[4].result()
+    hashed = []
+    monkeypatch.setattr(checkpoint, "verify_manifest", lambda d: hashed.append(Path(d).name))
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5, log=lambda m: None, verified=verified)
+    assert ckpt.newest_usable({}, _abstract())[0] == 4 and hashed == []
+    ckpt.close()
+
+
+def test_restore_formats_no_array(tmp_path, monkeypatch):
+    """On the main thread, Python 3.12.0-3.12.1 took the repr of orbax's task (with every
+    restored array) when asyncio put the SIGINT handler back."""
+    ckpt = _checkpoints(tmp_path)
+    shown = []
+    monkeypatch.setattr(type(jax.device_put(np.zeros(()))), "__repr__",
+                        lambda self: shown.append(1) or "array")
+    state = ckpt.restore(4, _abstract())
+    ckpt.close()
+    assert np.array_equal(state["params"]["w"], _state(4)["params"]["w"]) and shown == []
 
 
 def _failing_save(monkeypatch, where: str):

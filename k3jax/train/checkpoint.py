@@ -22,6 +22,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,15 @@ class CheckpointDamaged(Exception):
 
 
 class Checkpointer:
+    """``verified``: checks of step directories' files already started
+    (:func:`verify_newest_ahead`), which :meth:`newest_usable` takes instead of hashing again."""
+
     def __init__(self, directory: str | Path, keep: int, async_save: bool = True,
-                 log: Callable[[str], Any] = print, on_save_error: str = "stop"):
+                 log: Callable[[str], Any] = print, on_save_error: str = "stop",
+                 verified: dict[int, Future] | None = None):
         self.directory = Path(directory).resolve()
         self.log, self.async_save, self.on_save_error = log, async_save, on_save_error
+        self._verified = dict(verified or {})
         self._pending: int | None = None
         self._finished: set[int] = set()  # saves this process saw complete (before any manifest)
         options = ocp.CheckpointManagerOptions(
@@ -148,7 +154,8 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.step_path(step)
             try:
-                verify_manifest(path)
+                checking = self._verified.pop(step, None)
+                checking.result() if checking is not None else verify_manifest(path)
                 meta = self.manager.restore(step, args=ocp.args.Composite(
                     meta=ocp.args.JsonRestore()))["meta"]
                 saved_tree = self.manager.item_metadata(step)["state"]
@@ -162,10 +169,19 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: dict) -> dict:
         """The state of a checkpoint :meth:`newest_usable` chose, laid out as ``abstract_state``
-        (shapes, dtypes and shardings: every process reads only its own shards)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))["state"]
-        return jax.block_until_ready(restored)
+        (shapes, dtypes and shardings: every process reads only its own shards).
+
+        Read on a worker thread: orbax reads under ``asyncio.run``, which on the main thread sets
+        a SIGINT handler holding its task, and Python 3.12.0 and 3.12.1 take that handler's repr
+        when putting the old one back (CPython gh-112559): the repr of every restored array,
+        fetched and formatted, 1.3 of 4 s restoring ``k3_small`` on a CPU."""
+        def read() -> dict:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+            return jax.block_until_ready(restored)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="restore") as reader:
+            return reader.submit(read).result()
 
     def restore_latest(self, abstract_state: dict, config: dict,
                        move_aside: bool = True) -> tuple[dict, dict] | None:
@@ -195,6 +211,25 @@ class Checkpointer:
         self.manager.reload()
         self.log(f"[checkpoint] cannot restore {path} ({_reason(error)}); "
                  f"moved it to {aside}; trying the next older checkpoint")
+
+
+def verify_newest_ahead(directory: str | Path) -> dict[int, Future]:
+    """``{step: check}``: the newest step directory under ``directory`` checked against its
+    manifest on a worker thread (none when there is no step), for ``Checkpointer(verified=...)``.
+
+    Hashing reads the whole state (seconds for a large one) and gives up the interpreter lock
+    while it does, so a caller tracing its model meanwhile has the check for free.
+    """
+    directory = Path(directory)
+    steps = [int(p.name) for p in directory.glob("*") if p.name.isdigit()]  # none if it is missing
+    if not steps:
+        return {}
+    newest = max(steps)
+    checker = ThreadPoolExecutor(1, thread_name_prefix="verify")
+    try:
+        return {newest: checker.submit(verify_manifest, directory / str(newest))}
+    finally:
+        checker.shutdown(wait=False)  # its worker ends once the check is done
 
 
 def write_manifest(step_dir: Path) -> None:

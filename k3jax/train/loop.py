@@ -24,7 +24,7 @@ from tqdm import tqdm
 from k3jax.config.base import ConfigError
 from k3jax.data import make_data
 from k3jax.files import write_atomically
-from k3jax.train.checkpoint import Checkpointer
+from k3jax.train.checkpoint import Checkpointer, verify_newest_ahead
 from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
 from k3jax.train.optim import build_optimizer, schedule_args
@@ -90,6 +90,8 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 
 def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: Future) -> dict:
     t_start = time.time()
+    # The newest checkpoint's files are hashed while the model is traced below.
+    verified = verify_newest_ahead(workdir / "checkpoints")
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
         batch_placement,
@@ -126,7 +128,7 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
     state_bytes = check_state_fits(cfg, dict(mesh.shape), _device_bytes(),
                                    abstract=(params, axes, state_shapes["opt_state"]))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                        log=log, on_save_error=cfg.checkpoint.on_save_error)
+                        log=log, on_save_error=cfg.checkpoint.on_save_error, verified=verified)
     try:
         found = ckpt.newest_usable(config, state_shapes)
         if found is not None:
