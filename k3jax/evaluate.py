@@ -30,7 +30,7 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
     config = json.loads(cfg_file.read_text())
-    cfg: ExperimentConfig = from_dict(ExperimentConfig, config)
+    cfg: ExperimentConfig = from_dict(ExperimentConfig, config, where=str(cfg_file))
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     verified = verify_newest_ahead(workdir / "checkpoints")  # hashed while the model is traced

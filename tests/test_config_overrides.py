@@ -35,12 +35,27 @@ def test_overrides_are_typed_and_nested():
     ("eval.tasks=mqar,lambada", ["eval.tasks", "lambada"]),
     ("train.steps", ["KEY=VALUE"]),
     ("train.steps.x=1", ["train.steps", "not a nested config"]),
+    ("optim.lr=inf", ["optim.lr", "inf", "finite"]),
+    ("optim.weight_decay=nan", ["optim.weight_decay", "finite"]),
+    ("optim.clip_norm=inf", ["optim.clip_norm", "finite"]),
+    ("data.seed=-3", ["data.seed", "-3", ">= 0"]),
+    ("train.seed=-1", ["train.seed", ">= 0"]),
 ])
 def test_bad_overrides_name_the_key(item, must_mention):
     with pytest.raises(ConfigError) as err:
         apply_overrides(ExperimentConfig(), [item])
     for text in must_mention:
         assert text in str(err.value), (item, str(err.value))
+
+
+@pytest.mark.parametrize("items, message", [
+    (["train.steps=7", "train.steps=9"], "train.steps: set twice"),
+    (["model.moe.top_k=4", "model.moe=default"], "model.moe: set field by field before"),
+    (["model.moe=default", "model.moe.top_k=4"], "'moe' was already set as a whole"),
+])
+def test_an_override_never_silently_replaces_another(items, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(ExperimentConfig(), items)
 
 
 def test_cross_field_validation_names_the_fields():
@@ -60,3 +75,18 @@ def test_json_round_trip_and_preset_loading(tmp_path):
     assert load_config(preset).train.steps == 7
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.py")
+
+
+def test_a_json_config_is_read_strictly(tmp_path):
+    path = tmp_path / "config.json"
+    recorded = ExperimentConfig().to_dict()
+    recorded["data"]["corpus"] = {"kind": "byte"}  # what a run records beside its config
+    path.write_text(json.dumps(recorded))
+    assert load_config(path) == ExperimentConfig()
+    recorded["optim"]["lrr"] = 1.0
+    path.write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match=r"config.json'.*unknown key 'optim.lrr'.*optim.lr\?"):
+        load_config(path)
+    path.write_text("{'train': 1}")
+    with pytest.raises(ConfigError, match="config.json'.*not valid JSON"):
+        load_config(path)

@@ -297,6 +297,10 @@ def _snapshot(workdir: Path) -> dict:
     ("train.steps=48,train.schedule_change=refuse",
      r"train\.steps 24 -> 48 changes the learning rates.*train\.schedule_change=continue"),
     ("train.steps=12", r"train\.steps=12 is below step 24"),
+    ("optim.b2=0.5,optim.weight_decay=0.9",
+     r"optim\.b2: checkpoint 0\.95 vs config 0\.5; optim\.weight_decay: checkpoint"),
+    ("optim.clip_norm=none", r"optim\.clip_norm: checkpoint 1\.0 vs config None"),
+    ("data.heldout_fraction=0.1", r"data\.heldout_fraction: checkpoint 0\.02 vs config 0\.1"),
 ])
 def test_refused_resume_is_one_error_line_and_leaves_the_workdir_untouched(
         tmp_path, capsys, train_main, override, expect):

@@ -36,6 +36,13 @@ def positive(owner: Any, *fields: str) -> None:
             fail(owner, f, v, "expected a positive integer")
 
 
+def non_negative(owner: Any, *fields: str) -> None:
+    for f in fields:
+        v = getattr(owner, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            fail(owner, f, v, "expected an integer >= 0")
+
+
 def one_of(owner: Any, field: str, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     v = getattr(owner, field)

@@ -13,13 +13,22 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from k3jax.config.base import ConfigError, check_literals, fail, positive, require, to_dict
+from k3jax.config.base import (
+    ConfigError,
+    check_literals,
+    fail,
+    non_negative,
+    positive,
+    require,
+    to_dict,
+)
 from k3jax.config.mesh import MeshConfig
 from k3jax.config.model import ModelConfig
 
@@ -54,6 +63,7 @@ class DataConfig:
         positive(self, "seq_len", "batch_size", "max_doc_bytes")
         require(0.0 < self.heldout_fraction < 0.5, self, "heldout_fraction",
                 "expected a fraction in (0, 0.5)")
+        non_negative(self, "seed")
 
 
 Schedule = Literal["wsd", "cosine", "constant"]
@@ -87,18 +97,24 @@ class OptimConfig:
 
     def __post_init__(self):
         check_literals(self)
-        require(self.lr > 0, self, "lr", "expected > 0")
+        require(0 < self.lr < math.inf, self, "lr", "expected a finite number > 0")
         require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, self,
                 "warmup_steps", "expected an integer >= 0")
         require(0.0 <= self.decay_fraction <= 1.0, self, "decay_fraction", "expected in [0, 1]")
         require(0.0 <= self.min_lr_ratio <= 1.0, self, "min_lr_ratio", "expected in [0, 1]")
-        require(self.weight_decay >= 0, self, "weight_decay", "expected >= 0")
+        require(0 <= self.weight_decay < math.inf, self, "weight_decay",
+                "expected a finite number >= 0")
         require(0.0 <= self.b1 < 1.0, self, "b1", "expected in [0, 1)")
         require(0.0 <= self.b2 < 1.0, self, "b2", "expected in [0, 1)")
-        require(self.eps > 0, self, "eps", "expected > 0")
-        require(self.clip_norm is None or self.clip_norm > 0, self, "clip_norm",
-                "expected None (no clipping) or > 0")
-        require(self.muon_consistent_rms > 0, self, "muon_consistent_rms", "expected > 0")
+        require(0 < self.eps < math.inf, self, "eps", "expected a finite number > 0")
+        require(self.clip_norm is None or 0 < self.clip_norm < math.inf, self, "clip_norm",
+                "expected None (no clipping) or a finite number > 0")
+        require(0 < self.muon_consistent_rms < math.inf, self, "muon_consistent_rms",
+                "expected a finite number > 0")
+
+
+# The fields that make OptimConfig's learning-rate schedule (with train.steps).
+SCHEDULE_FIELDS = ("lr", "schedule", "warmup_steps", "decay_fraction", "min_lr_ratio")
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive(self, "steps", "micro_batches", "log_every", "max_bad_steps")
+        non_negative(self, "seed")
         check_literals(self)
 
 
@@ -209,7 +226,11 @@ def load_config(path: str | Path) -> ExperimentConfig:
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file")
     if path.suffix == ".json":
-        return from_dict(ExperimentConfig, json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ConfigError(f"--config {str(path)!r}: not valid JSON ({e})") from None
+        return from_dict(ExperimentConfig, data, where=f"--config {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"_k3jax_preset_{path.stem}", path)
     if path.suffix != ".py" or spec is None or spec.loader is None:
         raise ConfigError(f"--config {str(path)!r}: not a Python preset file (expected a .py "
@@ -229,22 +250,36 @@ def load_config(path: str | Path) -> ExperimentConfig:
     return cfg
 
 
-def from_dict(cls: type, data: dict) -> Any:
-    """Rebuild a (nested) config dataclass from :func:`to_dict` output (JSON lists -> tuples)."""
+# What a run records beside its config in config.json and its checkpoints: the built corpus it
+# trained on (its path and tokenizer), which a preset cannot set.
+RECORDS = ("data.corpus",)
+
+
+def from_dict(cls: type, data: dict, where: str = "config", prefix: str = "",
+              extra: Sequence[str] = RECORDS) -> Any:
+    """Rebuild a (nested) config dataclass from :func:`to_dict` output (JSON lists -> tuples).
+
+    A key that is no field (a typo, or a field this version does not have) is a ConfigError
+    naming it and ``where`` the dict came from; the dotted keys in ``extra`` are skipped.
+    """
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _from_json(hints[f.name], data[f.name])
-    return cls(**kwargs)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names and prefix + k not in extra]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=3)
+        hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+        raise ConfigError(f"{where}: unknown key {prefix + unknown[0]!r} in "
+                          f"{cls.__name__}{hint}")
+    return cls(**{name: _from_json(hints[name], data[name], where, f"{prefix}{name}.", extra)
+                  for name in names if name in data})
 
 
-def _from_json(tp: Any, value: Any) -> Any:
+def _from_json(tp: Any, value: Any, where: str, prefix: str, extra: Sequence[str]) -> Any:
     if value is None:
         return None
     inner = _dataclass_in(tp)
     if inner is not None:
-        return from_dict(inner, value)
+        return from_dict(inner, value, where, prefix, extra)
     if isinstance(value, list):
         return tuple(value)
     return value
@@ -268,6 +303,10 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
         for depth, name in enumerate(path):
             tp = _field_type(node, name, key, cfg, "".join(f"{p}." for p in path[:depth]))
             if depth == len(path) - 1:
+                if name in level:  # a later value would silently replace the earlier one(s)
+                    earlier = "set twice" if not isinstance(level[name], dict) else \
+                        "set field by field before; set it as a whole first"
+                    raise ConfigError(f"--set {key}: {earlier}")
                 level[name] = parse_value(tp, raw, key)
                 break
             child = getattr(node, name)
@@ -407,5 +446,5 @@ def _type_name(tp: Any) -> str:
 
 
 __all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "OptimConfig",
-           "TASKS", "TrainConfig", "all_keys", "apply_overrides", "from_dict", "load_config",
-           "parse_value"]
+           "SCHEDULE_FIELDS", "TASKS", "TrainConfig", "all_keys", "apply_overrides", "from_dict",
+           "load_config", "parse_value"]

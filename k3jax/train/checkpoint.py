@@ -9,11 +9,11 @@ changed inside a data file restore silently), so the last act of every save is a
 (:data:`MANIFEST`: the SHA-256 and size of every file of the step directory), and a checkpoint is
 restored only after its files match it. A checkpoint that does not (no manifest: the save never
 finished; a file changed, missing or extra) is named in one line, moved to
-``checkpoints_unrestorable/`` and the next older one is tried. A config whose model or optimiser
-differs from the checkpoint's is an error naming the differing fields; a shape that differs names
-the parameter. A save that fails (disk full, permissions) is one line naming the path and the
-reason; its temporary files are removed, older checkpoints stay, and the run stops or goes on as
-``checkpoint.on_save_error`` says.
+``checkpoints_unrestorable/`` and the next older one is tried. A config whose model, optimiser or
+data differs from the checkpoint's (:data:`MUST_MATCH`) is an error naming the differing fields;
+a shape that differs names the parameter. A save that fails (disk full, permissions) is one line
+naming the path and the reason; its temporary files are removed, older checkpoints stay, and the
+run stops or goes on as ``checkpoint.on_save_error`` says.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ import jax
 import orbax.checkpoint as ocp
 
 from k3jax.config.base import ConfigError
+from k3jax.config.experiment import SCHEDULE_FIELDS
 from k3jax.files import write_atomically
 
 # Sections of the config that must match to resume (the rest, e.g. train.steps, may change).
-MUST_MATCH = ("model", "optim.name", "train.micro_batches", "data.task", "data.tokenizer",
-              "data.seed", "data.seq_len", "data.batch_size")
-# Fields inside MUST_MATCH that choose how a result is computed, not what it is: a run may resume
-# with another value (and from checkpoints made before the field existed).
-HOW_NOT_WHAT = ("model.mla.documents",)
+MUST_MATCH = ("model", "optim", "data", "train.micro_batches")
+# Fields inside MUST_MATCH that may differ: how a result is computed or where a file is kept, not
+# what it is (a run may resume with another value, and from checkpoints made before the field
+# existed); the learning-rate schedule, which a resume re-plans (k3jax.train.resume); and the
+# record of the built corpus, which the data fields compared here made.
+MAY_DIFFER = ("model.mla.documents", "data.cache_dir", "data.corpus",
+              *(f"optim.{name}" for name in SCHEDULE_FIELDS))
 MANIFEST = "content_sha256.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names an unfinished save STEP.orbax-checkpoint-tmp-T
 UNRESTORABLE = "checkpoints_unrestorable"
@@ -319,7 +322,7 @@ def _get(tree: dict, dotted: str):
 
 
 def _diff(a, b, key: str) -> list[str]:
-    if key in HOW_NOT_WHAT:
+    if key in MAY_DIFFER:
         return []
     if isinstance(a, dict) and isinstance(b, dict):
         out = []

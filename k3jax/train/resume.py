@@ -14,10 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.config.base import ConfigError
-from k3jax.config.experiment import OptimConfig, from_dict
+from k3jax.config.experiment import SCHEDULE_FIELDS, OptimConfig, from_dict
 from k3jax.train.optim import phases, schedule
-
-SCHEDULE_FIELDS = ("lr", "schedule", "warmup_steps", "decay_fraction", "min_lr_ratio")
 
 
 def plan(optim, steps: int) -> str:
@@ -41,7 +39,8 @@ def check_schedule(saved_config: dict, cfg, step: int, path) -> str | None:
     if step > new_steps:
         raise ConfigError(f"train.steps={new_steps} is below step {step} of the checkpoint at "
                           f"{path}; pass train.steps >= {step}, or another --workdir")
-    old_optim = from_dict(OptimConfig, saved_config.get("optim", {}))
+    old_optim = from_dict(OptimConfig, saved_config.get("optim", {}),
+                          where=f"the checkpoint at {path}", prefix="optim.")
     old_steps = int(saved_config.get("train", {}).get("steps", new_steps))
     if _schedule_key(old_optim, old_steps) == _schedule_key(new_optim, new_steps):
         return None
