@@ -362,8 +362,10 @@ def test_nonfinite_step_is_skipped_and_counted():
     from k3jax.model import K3Model
     from k3jax.train.step import init_state, make_train_step
 
+    from k3jax.train.optim import schedule
+
     model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
-    cfg = OptimConfig(warmup_steps=0)
+    cfg = OptimConfig(warmup_steps=0, schedule="cosine")  # another rate at each count
     variables = init(model_cfg, 0)
     opt = build_optimizer(cfg, 10, variables["params"])
     state = init_state(variables["params"], {}, opt, 0)
@@ -380,6 +382,9 @@ def test_nonfinite_step_is_skipped_and_counted():
     s2, m2 = step(s1, good)
     assert bool(m2["finite"]) and int(s2["bad_steps"]) == 0 and int(s2["skipped"]) == 1
     assert not np.array_equal(np.asarray(s2["params"]["head"]), np.asarray(s1["params"]["head"]))
+    # The skipped step's update was undone with the optimiser's count: the rate logged is the one
+    # the next update takes, the schedule's first again.
+    assert float(m1["lr"]) == float(m2["lr"]) == float(schedule(cfg, 10)(0))
 
 
 def test_runs_differing_in_schedule_numbers_share_one_step_program():

@@ -44,7 +44,9 @@ def check_schedule(saved_config: dict, cfg, step: int, path) -> str | None:
     old_steps = int(saved_config.get("train", {}).get("steps", new_steps))
     if _schedule_key(old_optim, old_steps) == _schedule_key(new_optim, new_steps):
         return None
-    trained = np.arange(step)  # the optimiser counts of the steps already taken
+    # The optimiser counts of the steps already taken (a skipped non-finite step took none, so
+    # after k of them the counts end at step - k: the comparison's last k rates are unused ones).
+    trained = np.arange(step)
     old_lr = np.asarray(schedule(old_optim, old_steps)(trained))
     new_lr = np.asarray(schedule(new_optim, new_steps)(trained))
     change = (f"train.steps {old_steps} -> {new_steps}" if old_steps != new_steps

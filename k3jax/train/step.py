@@ -132,6 +132,8 @@ def make_train_step(model, optim_cfg, micro_batches: int, moe_cfg=None, axes=Non
     # the model, its fusions would otherwise all read as their bare op (reduce_sum, add, select_n).
     def update(state, grads, out, schedule):
         params, balance = state["params"], state["balance"]
+        # The optimiser's own count, which the finite guard below holds back on a skipped step.
+        count = state["step"] - state["skipped"]
         optimizer = build_optimizer(optim_cfg, None, params, axes, args=schedule)
         loss = out["sum_nats"] / out["tokens"]
         with jax.named_scope("grad_norm"):
@@ -151,7 +153,7 @@ def make_train_step(model, optim_cfg, micro_batches: int, moe_cfg=None, axes=Non
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "aux_loss": out["aux"], "sum_nats": out["sum_nats"],
                    "tokens": out["tokens"], "grad_norm": grad_norm,
-                   "lr": learning_rate(optim_cfg.schedule, state["step"] - 1, schedule),
+                   "lr": learning_rate(optim_cfg.schedule, count, schedule),
                    "finite": ok, "bad_steps": state["bad_steps"],
                    "maxvio": balancing.balance_metrics(out["stats"]), "diag": out["diag"]}
         return state, metrics
