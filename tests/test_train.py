@@ -360,9 +360,8 @@ def test_nonfinite_step_is_skipped_and_counted():
     """The skip is the train step's, whatever the layers: a one-layer MLA model (quick to
     compile)."""
     from k3jax.model import K3Model
-    from k3jax.train.step import init_state, make_train_step
-
     from k3jax.train.optim import schedule
+    from k3jax.train.step import init_state, make_train_step
 
     model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
     cfg = OptimConfig(warmup_steps=0, schedule="cosine")  # another rate at each count
@@ -391,6 +390,7 @@ def test_runs_differing_in_schedule_numbers_share_one_step_program():
     """Learning rate, warmup, decay and length are step data: two runs' train steps lower to the
     same program (so the second loads the first's from the compilation cache)."""
     from k3jax.model import K3Model
+    from k3jax.train.optim import without_schedule_numbers
     from k3jax.train.step import init_state, make_train_step
 
     model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
@@ -404,10 +404,15 @@ def test_runs_differing_in_schedule_numbers_share_one_step_program():
         step = jax.jit(make_train_step(K3Model(model_cfg), cfg, 1))
         return step.trace(state, batch, schedule_args(cfg, steps)).lower().as_text()
 
-    a = program(OptimConfig(lr=1e-2, warmup_steps=4, decay_fraction=0.2), 100)
-    assert a == program(OptimConfig(lr=3e-4, warmup_steps=0, decay_fraction=0.5,
-                                    min_lr_ratio=0.3), 7)
-    assert a != program(OptimConfig(lr=1e-2, warmup_steps=4, schedule="cosine"), 100)
+    a_cfg = OptimConfig(lr=1e-2, warmup_steps=4, decay_fraction=0.2)
+    b_cfg = OptimConfig(lr=3e-4, warmup_steps=0, decay_fraction=0.5, min_lr_ratio=0.3)
+    cosine = OptimConfig(lr=1e-2, warmup_steps=4, schedule="cosine")
+    a = program(a_cfg, 100)
+    assert a == program(b_cfg, 7)
+    assert a != program(cosine, 100)
+    # ... and the executable cache describes them alike (a learning-rate sweep loads one step).
+    assert without_schedule_numbers(a_cfg) == without_schedule_numbers(b_cfg)
+    assert without_schedule_numbers(a_cfg) != without_schedule_numbers(cosine)
 
 
 def test_nonfinite_run_stops_naming_step_and_checkpoint(tmp_path):

@@ -27,7 +27,7 @@ from k3jax.files import write_atomically
 from k3jax.train.checkpoint import Checkpointer, verify_newest_ahead
 from k3jax.train.evaluation import evaluate_batches, task_batches
 from k3jax.train.metrics import MetricsWriter, flatten, read_metrics
-from k3jax.train.optim import build_optimizer, schedule_args
+from k3jax.train.optim import build_optimizer, schedule_args, without_schedule_numbers
 from k3jax.train.resume import check_schedule, history
 from k3jax.train.step import BATCH_KEYS, init_state, make_eval_step, make_train_step
 from k3jax.train.workdir import LOG_FILE, RunLog, check_workdir, lock_run
@@ -153,9 +153,10 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
     compiled_steps = {}
 
     def compile_for(documents: str, host_batch: dict):
-        """Start compiling the step of this layout; returns the schedule's placed numbers."""
+        """Start compiling the step for this batch, kept under its layout ``documents``; returns
+        the schedule's placed numbers."""
         schedule, compiled_steps[documents] = compile_step_async(
-            with_documents(cfg, documents), mesh, sharded_shapes, axes, host_batch, first_save)
+            cfg, mesh, sharded_shapes, axes, host_batch, first_save)
         return schedule
 
     def store_steps(prog: Progress) -> None:
@@ -357,9 +358,11 @@ def compile_step_async(cfg, mesh, state_shapes: dict, axes: dict, host_batch: di
                         state_shapes, mesh, rules, donate=jax.default_backend() != "cpu")
     schedule = jax.device_put(schedule_args(cfg.optim, cfg.train.steps), step.replicated)
     batch = abstract_batch(mesh, rules, {k: host_batch[k] for k in BATCH_KEYS})
-    # What make_train_step and sharded_step read of the config: the rest of the key is the
-    # arguments, the mesh and the environment (k3jax.parallel.executable_cache).
-    description = (model_cfg, cfg.optim, cfg.train.micro_batches, cfg.mesh)
+    # What make_train_step and sharded_step read of the config (the schedule's numbers are the
+    # step's data, not its program): the rest of the key is the arguments, the mesh and the
+    # environment (k3jax.parallel.executable_cache).
+    description = (model_cfg, without_schedule_numbers(cfg.optim), cfg.train.micro_batches,
+                   cfg.mesh)
     return schedule, step.compile_async(state_shapes, batch, schedule, _step_cache(),
                                         description, store_after)
 

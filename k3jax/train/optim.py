@@ -21,6 +21,7 @@ bf16 by default, as in Muon's and Moonlight's reference code (Jordan et al. 2024
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import NamedTuple
@@ -237,6 +238,15 @@ def schedule_args(cfg, total_steps: int) -> dict[str, np.ndarray]:
     return {"peak": f32(peak), "floor": f32(floor), "decay_span": f32(peak - floor),
             "cos_span": f32(1 - alpha), "alpha": f32(alpha), "warmup": i32(warmup),
             "rest": i32(rest), "decay": i32(decay)}
+
+
+def without_schedule_numbers(cfg):
+    """``cfg`` (an OptimConfig) with the numbers :func:`schedule_args` makes step data (the peak
+    and floor rates, warmup and decay lengths) at their defaults: configs differing only in them
+    build one train-step program, and describe it alike (the executable cache's key)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+                if f.name in ("lr", "warmup_steps", "decay_fraction", "min_lr_ratio")}
+    return dataclasses.replace(cfg, **defaults)
 
 
 def _linear(count, span, end, steps):
