@@ -22,7 +22,7 @@ from suite_env import subprocess_env
 from k3jax.config import ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig
 from k3jax.config.experiment import OptimConfig
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
-from k3jax.train.checkpoint import check_config
+from k3jax.train.checkpoint import MANIFEST, check_config
 from k3jax.train.optim import build_optimizer, decay_mask, muon_labels, schedule, schedule_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +73,9 @@ def runs(tmp_path_factory):
     env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(root / "jaxc"),  # one CPU device
                          K3JAX_DATA_CACHE=str(root / "data"))
 
-    def train(workdir, extra_env=None):
+    def train(workdir, extra_env=None, *sets):
         cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(preset),
-               "--workdir", str(root / workdir)]
+               "--workdir", str(root / workdir), *(a for s in sets for a in ("--set", s))]
         return subprocess.run(cmd, cwd=ROOT, env={**env, **(extra_env or {})},
                               capture_output=True, text=True, timeout=600)
 
@@ -158,6 +158,18 @@ def test_rerun_of_a_finished_run_keeps_its_summary(runs):
     after = json.loads((runs["root"] / "A" / "summary.json").read_text())
     for key in ("steps", "final_train_loss", "heldout_first", "heldout_last"):
         assert after[key] == before[key], key
+
+
+def test_a_run_killed_after_its_last_save_has_its_last_evaluation(runs):
+    # The last save finished before the kill (not cut short, which would redo the last steps).
+    sync = "checkpoint.async_save=false"
+    killed = runs["train"]("C", {"K3JAX_FAULT_KILL_AFTER_STEP": str(STEPS)}, sync)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert (runs["root"] / "C" / "checkpoints" / str(STEPS) / MANIFEST).is_file()
+    again = runs["train"]("C", None, sync)  # finished: nothing left to train
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((runs["root"] / "C" / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["heldout_last"]["step"] == STEPS
 
 
 def test_evaluate_and_plot(runs, capsys):

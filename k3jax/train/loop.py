@@ -289,6 +289,10 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
                 eval_compiled.result()
                 evaluate(0, initial, prog)
                 initial = None
+            # Evaluated before it is saved: a run killed in between redoes the step and its
+            # evaluation, where the other order would resume past an evaluation never made.
+            if done % cfg.eval.every == 0 or done == cfg.train.steps:
+                evaluate(done, (state["params"], state["balance"]), prog)
             if saving:
                 ckpt.save(done, state, _meta(config, done, cfg))
                 if not first_save.done():
@@ -297,8 +301,6 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
                 ckpt.poll()
             if done == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if done % cfg.eval.every == 0 or done == cfg.train.steps:
-                evaluate(done, (state["params"], state["balance"]), prog)
         if pending is not None:
             _check_finite(pending, cfg.train.max_bad_steps, ckpt)
     finally:
