@@ -387,6 +387,8 @@ def _mistakes(tmp_path: Path) -> list[tuple[list[str], str]]:
           f"data.seq_len={len(open_corpus(corpus).val.tokens)}"], "the held-out split has"),
         (["--config", tiny, "--set", "data.task=mqar", "--set", "model.vocab_size=16"],
          "synthetic tasks need model.vocab_size >= 32"),
+        (["--config", tiny, "--set", "data.batch_size=9"],  # over the suite's 8 CPU devices
+         "data.batch_size=9 must be divisible by the 8 batch shards"),
     ]
 
 

@@ -68,6 +68,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     workdir = check_workdir(workdir)
     log = RunLog(log or (lambda msg: tqdm.write(str(msg), file=sys.stderr)))
     data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
+    mesh, place = _mesh_and_batch_placement(cfg)
     lock = lock_run(workdir)
     # Work held back until a point of the run (a background compile waits for the first step,
     # the compiled step's write for the first checkpoint): released here too, so that nothing
@@ -76,7 +77,7 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
     try:
         log.open(workdir / (LOG_FILE if jax.process_index() == 0
                             else f"train.process{jax.process_index()}.log"))
-        return _run_locked(cfg, workdir, data, log, first_step, first_save)
+        return _run_locked(cfg, workdir, data, mesh, place, log, first_step, first_save)
     except ConfigError as e:
         log.record(f"error: {e}")  # the caller prints it; the log file keeps it too
         raise
@@ -88,17 +89,26 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
         lock.release()
 
 
-def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: Future) -> dict:
+def _mesh_and_batch_placement(cfg):
+    """The run's device mesh and :func:`~k3jax.parallel.batch_placement`'s function for it;
+    ConfigError for experts or a batch the mesh cannot split."""
+    from k3jax.parallel import batch_placement, check_experts_fit, make_mesh
+
+    mesh = make_mesh(cfg.mesh)
+    if cfg.model.moe is not None:
+        check_experts_fit(mesh, cfg.mesh.rules, cfg.model.moe.num_experts)
+    return mesh, batch_placement(mesh, cfg.mesh.rules, cfg.data.batch_size)
+
+
+def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
+                first_save: Future) -> dict:
     t_start = time.time()
     # The newest checkpoint's files are hashed while the model is traced below.
     verified = verify_newest_ahead(workdir / "checkpoints")
     from k3jax.model import K3Model, abstract_variables_and_axes
     from k3jax.parallel import (
-        batch_placement,
-        check_experts_fit,
         compile_in_background,
         init_sharded_state,
-        make_mesh,
         sharded_state_shapes,
         shardings_of,
         under_mesh,
@@ -112,9 +122,7 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
     config = _recorded_config(cfg, data)
     log(f"[data] {data.description}")
     micro = cfg.data.batch_size // cfg.train.micro_batches
-    mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
-    if cfg.model.moe is not None:
-        check_experts_fit(mesh, rules, cfg.model.moe.num_experts)
+    rules = cfg.mesh.rules
     # One trace of the initialiser gives the shapes and the axis names for everything below.
     variables, variable_axes = abstract_variables_and_axes(cfg.model, (micro, cfg.data.seq_len))
     params, axes = variables["params"], variable_axes["params"]
@@ -194,7 +202,6 @@ def _run_locked(cfg, workdir: Path, data, log, first_step: Future, first_save: F
         state = jax.device_put(state, shardings_of(sharded_shapes))  # the compiled step's layout
     writer = MetricsWriter(workdir, start, enabled=first_process)
     past = history(read_metrics(workdir), start) if start else {}
-    place = batch_placement(mesh, rules, cfg.data.batch_size)
     tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
                          cfg.eval.batches, cfg.model.vocab_size)
 
