@@ -310,7 +310,7 @@ def check_shapes(saved_tree: Any, abstract_state: dict, path: Path) -> None:
 def _key(path) -> str:
     """``opt_state/1/0/mu/embedding``: named-tuple fields and dict keys spelled alike (orbax
     metadata stores named tuples as dicts)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _get(tree: dict, dotted: str):

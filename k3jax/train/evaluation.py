@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
@@ -34,8 +32,3 @@ def evaluate_batches(eval_fn, params, balance, batches: list[dict]) -> dict:
 def task_batches(tasks, seq_len: int, batch_size: int, num_batches: int, vocab: int) -> dict:
     return {t: eval_batches(t, seq_len, batch_size, num_batches, vocab) for t in tasks}
 
-
-def summary_line(name: str, result: dict) -> str:
-    ppl = math.exp(min(result["loss"], 50.0))
-    return (f"{name}: loss {result['loss']:.4f} nats/token, {result['bpb']:.4f} bits/byte, "
-            f"accuracy {result['accuracy']:.3f}, perplexity {ppl:.2f}")

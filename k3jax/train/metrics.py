@@ -25,8 +25,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     lists)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = prefix + "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                                 for k in path)
+        name = prefix + jax.tree_util.keystr(path, simple=True, separator="/")
         arr = np.asarray(leaf)
         out[name] = float(arr) if arr.ndim == 0 else arr.astype(np.float64).tolist()
     return out

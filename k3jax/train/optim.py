@@ -39,7 +39,8 @@ NOT_MUON = ("embed", "head", "conv")
 
 
 def path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
+    """A parameter's path as its lower-case name, ``layer_0/mixer/a_log``, for the rules above."""
+    return jax.tree_util.keystr(path, simple=True, separator="/").lower()
 
 
 def decay_mask(params):
