@@ -137,9 +137,9 @@ def accounting_rows(cfg: ModelConfig, seq_len: int) -> list[dict]:
     rows = [{"table": "params", "total": counts.total, "active": counts.active,
              "embedding": counts.embedding, "routed_experts": counts.routed_experts}]
     for convention in KDA_CONVENTIONS:
-        fwd = 2.0 * counts.active + mixer_flops_per_token(cfg, seq_len, convention)
         rows.append({"table": "flops_per_token", "kda_convention": convention, "seq_len": seq_len,
-                     "forward": fwd, "train": 3.0 * fwd})
+                     "forward": forward_flops_per_token(cfg, seq_len, convention),
+                     "train": train_flops_per_token(cfg, seq_len, convention)})
     latent = kv_cache_bytes_per_token(cfg)
     rows.append({"table": "cache", "seq_len": seq_len,
                  "mla_layers": cfg.layer_types.count("mla"),

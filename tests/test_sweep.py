@@ -188,6 +188,16 @@ def test_wsd_branches_equal_full_wsd_runs(env):
     assert (root / "branched" / "stable").is_dir()
 
 
+def test_shared_stable_phase_counts_once_in_trained_compute(tmp_path):
+    sweep = load_sweep(_spec(tmp_path / "toy.py", fractions=(0.5, 1.0), seeds=(0,),
+                             branching=True, variants='(Variant("situ"),)'))
+    plan = plan_sweep(sweep)
+    short, full = (plan.point(n) for n in plan.groups[0].points)
+    assert (short.steps, short.branch_step, full.steps, full.branch_step) == (6, 5, 12, 8)
+    # The stable phase to step 8 once, then decays of 6 - 5 and 12 - 8 steps, 128 tokens each.
+    assert plan.trained_compute() == pytest.approx(full.flops_per_token * 128 * (8 + 1 + 4))
+
+
 def test_branch_step_is_where_the_decay_starts():
 
     # 100 steps, 10 warmup, decay over 20% of the 90 after it: flat through step 82.

@@ -76,8 +76,7 @@ class Plan:
         for g in self.groups:
             pts = [self.point(n) for n in g.points]
             stable = max(p.branch_step for p in pts)
-            tps = g.config.data.batch_size * g.config.data.seq_len
-            total += pts[0].flops_per_token * tps * (
+            total += pts[0].flops_per_token * _tokens_per_step(g.config) * (
                 stable + sum(p.steps - p.branch_step for p in pts))
         return total
 
