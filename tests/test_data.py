@@ -17,6 +17,7 @@ from k3jax.data import (
     window_batch,
 )
 from k3jax.data.__main__ import main as data_main
+from k3jax.data.sources import split_document
 from k3jax.data.synthetic import TASKS, make_batch
 
 TEXTS = {f"doc{i}.txt": (f"Document {i}: "
@@ -85,6 +86,17 @@ def test_large_files_are_cut_at_paragraphs(tmp_path):
     docs = _all_docs(corpus)
     assert len(docs) > 10 and all(len(d) <= 300 for d in docs)
     assert b"".join(d for d in docs if d != b"small document\n") == big.encode()
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_piece_size_below_one_byte_is_refused(source_dir, tmp_path, capsys, size):
+    # (a piece of no bytes never moved the cut forward: the build never ended)
+    with pytest.raises(ValueError, match=f"max_doc_bytes={size} is invalid: expected a positive"):
+        next(split_document("g", b"some text\n\nmore text\n", size))
+    assert data_main(["build", "--source", str(source_dir), "--out", str(tmp_path / "c"),
+                      "--max-doc-bytes", str(size)]) == 2
+    assert f"--max-doc-bytes {size}: " in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_bpe_round_trip_and_token_bytes(source_dir, tmp_path):

@@ -5,8 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3jax.config.base import ConfigError
+from k3jax.config.experiment import DataConfig
 from k3jax.data.corpus import build_corpus
 from k3jax.data.sources import STDLIB
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """A ValueError naming the flag whose value the build cannot use, before any source is read.
+    The ranges are DataConfig's, so a corpus built here can be named in a config."""
+    for flag, field, value in (("--max-doc-bytes", "max_doc_bytes", args.max_doc_bytes),):
+        try:
+            DataConfig(**{field: value})
+        except ConfigError as e:
+            raise ValueError(f"{flag} {value}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        _check_args(args)
         build_corpus(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab,
                      heldout_fraction=args.heldout, max_doc_bytes=args.max_doc_bytes,
                      seed=args.seed)

@@ -108,6 +108,9 @@ def _from_jsonl(group: str, data: bytes) -> Iterator[Document]:
 
 def split_document(group: str, data: bytes, max_doc_bytes: int) -> Iterator[Document]:
     """Cut ``data`` into pieces of at most ``max_doc_bytes``, preferring paragraph breaks."""
+    if max_doc_bytes <= 0:  # a piece of no bytes never advances: the loop below would not end
+        raise ValueError(f"max_doc_bytes={max_doc_bytes} is invalid: expected a positive number "
+                         "of bytes")
     start, piece = 0, 0
     while start < len(data):
         end = min(start + max_doc_bytes, len(data))
