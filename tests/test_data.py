@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from k3jax.data import (
+    BPETokenizer,
     PackedBatches,
     bits_per_byte,
     build_corpus,
@@ -99,6 +100,23 @@ def test_piece_size_below_one_byte_is_refused(source_dir, tmp_path, capsys, size
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--heldout", "7"], "--heldout 7.0: DataConfig.heldout_fraction=7.0 is invalid: expected a "
+                         "fraction in (0, 0.5)"),
+    (["--heldout", "0"], "--heldout 0.0: "),
+    (["--tokenizer", "bpe", "--vocab", "5"], "--vocab=5 is invalid: a byte-level BPE needs more "
+                                             "than 256 tokens"),
+    (["--tokenizer", "bpe", "--vocab", "256"], "--vocab=256 is invalid"),
+], ids=["heldout-7", "heldout-0", "vocab-5", "vocab-256"])
+def test_unusable_build_flags_are_named(source_dir, tmp_path, capsys, args, named):
+    # (a held-out fraction outside the range fell back to one document held out; a BPE asked
+    # for 256 tokens or fewer came back as the 256 bytes alone)
+    assert data_main(["build", "--source", str(source_dir), "--out", str(tmp_path / "c"),
+                      *args]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_bpe_round_trip_and_token_bytes(source_dir, tmp_path):
     corpus = build_corpus([str(source_dir)], tmp_path / "c", tokenizer="bpe", vocab_size=300,
                           log=lambda m: 0)
@@ -113,6 +131,8 @@ def test_bpe_round_trip_and_token_bytes(source_dir, tmp_path):
     docs = [tok.decode(corpus.train.tokens[a:b]) for a, b in
             zip(corpus.train.docs[:-1], corpus.train.docs[1:])]
     assert set(docs) <= {t.encode() for t in TEXTS.values()}
+    with pytest.raises(ValueError, match="vocab_size=256 is invalid"):
+        BPETokenizer.train([b"text"], 256)
 
 
 def test_packed_batches_segments_and_weights(source_dir, tmp_path):

@@ -9,16 +9,20 @@ from k3jax.config.base import ConfigError
 from k3jax.config.experiment import DataConfig
 from k3jax.data.corpus import build_corpus
 from k3jax.data.sources import STDLIB
+from k3jax.data.tokenizer import check_bpe_vocab
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """A ValueError naming the flag whose value the build cannot use, before any source is read.
     The ranges are DataConfig's, so a corpus built here can be named in a config."""
-    for flag, field, value in (("--max-doc-bytes", "max_doc_bytes", args.max_doc_bytes),):
+    for flag, field, value in (("--heldout", "heldout_fraction", args.heldout),
+                               ("--max-doc-bytes", "max_doc_bytes", args.max_doc_bytes)):
         try:
             DataConfig(**{field: value})
         except ConfigError as e:
             raise ValueError(f"{flag} {value}: {e}") from None
+    if args.tokenizer == "bpe":
+        check_bpe_vocab(args.vocab, "--vocab")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,7 @@ class BPETokenizer:
     def train(cls, texts: Iterable[bytes], vocab_size: int) -> "BPETokenizer":
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+        check_bpe_vocab(vocab_size, "vocab_size")
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -97,6 +98,16 @@ class BPETokenizer:
 
     def save(self, out: Path) -> None:
         self._tok.save(str(out / TOKENIZER_FILE))
+
+
+def check_bpe_vocab(vocab_size: int, name: str) -> None:
+    """A ValueError naming ``name`` unless ``vocab_size`` leaves a BPE room for a merge: its
+    first 256 ids are the bytes themselves, and the trainer quietly returns those alone when asked
+    for fewer."""
+    if vocab_size <= ByteTokenizer.vocab_size:
+        raise ValueError(f"{name}={vocab_size} is invalid: a byte-level BPE needs more than "
+                         f"{ByteTokenizer.vocab_size} tokens (its first "
+                         f"{ByteTokenizer.vocab_size} are the bytes)")
 
 
 def load_tokenizer(data_dir: Path) -> ByteTokenizer | BPETokenizer:
