@@ -2,6 +2,7 @@
 
 import json
 import lzma
+import os
 import tarfile
 
 import numpy as np
@@ -12,6 +13,7 @@ from k3jax.data import (
     PackedBatches,
     bits_per_byte,
     build_corpus,
+    cached_corpus,
     heldout_batches,
     load_tokenizer,
     open_corpus,
@@ -76,6 +78,29 @@ def test_archives_jsonl_and_cli(tmp_path):
     assert got == want
     assert data_main(["build", "--source", str(tmp_path / "nope"), "--out",
                       str(tmp_path / "x")]) == 2
+
+
+def test_cached_corpus_sees_a_file_edited_inside_a_directory(source_dir, tmp_path):
+    def cached():
+        return cached_corpus([str(source_dir)], tmp_path / "cache", tokenizer="byte",
+                             vocab_size=256, heldout_fraction=0.2, max_doc_bytes=65536, seed=0,
+                             log=lambda m: 0)
+
+    (source_dir / "sub").mkdir()
+    (source_dir / "sub" / "early.txt").write_text("a file in a subdirectory\n")
+    dir_time = source_dir.stat().st_mtime_ns
+    first = cached()
+    assert cached().path == first.path  # unchanged sources: the built corpus is reused
+    (source_dir / "sub" / "late.txt").write_text("a file added to the subdirectory\n")
+    added = cached()
+    assert added.path != first.path
+    doc = source_dir / "doc3.txt"
+    doc.write_text(doc.read_text().replace("quick", "QUICK"))  # in place, same size
+    os.utime(doc, ns=(doc.stat().st_atime_ns, doc.stat().st_mtime_ns + 10**9))
+    edited = cached()
+    assert edited.path != added.path
+    assert any(b"QUICK" in d for d in _all_docs(edited))
+    assert source_dir.stat().st_mtime_ns == dir_time  # the directory itself looked unchanged
 
 
 def test_large_files_are_cut_at_paragraphs(tmp_path):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.data.sources import STDLIB, Document, iter_documents, stdlib_dir
+from k3jax.data.sources import STDLIB, Document, directory_files, iter_documents, stdlib_dir
 from k3jax.data.tokenizer import BPETokenizer, ByteTokenizer
 
 FORMAT_VERSION = 1
@@ -182,8 +182,17 @@ def cached_corpus(sources: list[str], cache_dir: str | Path, *, tokenizer: str, 
 
 
 def _source_id(source: str) -> str:
-    """Identify a source by path and modification time, so an edited source is rebuilt."""
+    """Identify a source by path and modification time, so an edited source is rebuilt. A
+    directory's own time changes when an entry is added, removed or renamed in it, not when a file
+    in it is rewritten nor when anything changes in a subdirectory: a directory is identified by
+    its files' count, newest time and total size (one stat per file, no reading)."""
     if source == STDLIB:
         return f"stdlib:{stdlib_dir()}:{sys.version_info[:3]}"
     p = Path(source).resolve()
-    return f"{p}:{p.stat().st_mtime_ns if p.exists() else 'missing'}"
+    if not p.exists():
+        return f"{p}:missing"
+    if not p.is_dir():
+        return f"{p}:{p.stat().st_mtime_ns}"
+    stats = [f.stat() for f in directory_files(p)]
+    return (f"{p}:{len(stats)} files:{max((s.st_mtime_ns for s in stats), default=0)}:"
+            f"{sum(s.st_size for s in stats)}")

@@ -39,10 +39,16 @@ def iter_documents(sources: list[str], max_doc_bytes: int) -> Iterator[Document]
         if not path.exists():
             raise FileNotFoundError(f"--source {source!r}: no such file or directory")
         if path.is_dir():
-            for f in sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path)):
+            for f in directory_files(path):
                 yield from _from_file(f, max_doc_bytes, skip_binary=True)
         else:
             yield from _from_file(path, max_doc_bytes, skip_binary=False)
+
+
+def directory_files(root: Path) -> list[Path]:
+    """The files a directory source reads, in order: every file below ``root`` but hidden ones
+    and ``__pycache__``."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root))
 
 
 def stdlib_dir() -> Path:
