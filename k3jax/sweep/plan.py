@@ -17,7 +17,7 @@ import numpy as np
 
 from k3jax.config.experiment import ExperimentConfig
 from k3jax.sweep.ladder import Rung, build_rung
-from k3jax.sweep.spec import Sweep, SweepError
+from k3jax.sweep.spec import Sweep, SweepError, lr_label
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,9 @@ def branch_step(optim, steps: int) -> int:
     return int(differ[0]) if len(differ) else steps
 
 
-def _label(x: float) -> str:
-    return f"{x:.3g}".replace("+", "")
-
-
 def plan_sweep(sweep: Sweep) -> Plan:
     """Every point of ``sweep``, validated (rungs built, budgets of at least one step)."""
-    points, seen = [], set()
+    points, seen = [], {}
     for variant in sweep.variants:
         cfg = sweep.variant_config(variant)
         tps = _tokens_per_step(cfg)
@@ -146,11 +142,17 @@ def plan_sweep(sweep: Sweep) -> Plan:
                                     f"{sweep.ladder.knob}={size}: below one step of {tps:,} "
                                     f"tokens (data.batch_size x data.seq_len)")
                             tokens = steps * tps
-                            name = (f"{variant.name}.{sweep.ladder.knob[0]}{size}.lr{_label(lr)}"
+                            name = (f"{variant.name}.{sweep.ladder.knob[0]}{size}.lr{lr_label(lr)}"
                                     f".s{seed}.t{steps}")
+                            key = (variant.name, size, lr, seed)
                             if name in seen:
+                                if seen[name] != key:
+                                    raise SweepError(
+                                        f"two points would both be named {name!r} (variant, "
+                                        f"{sweep.ladder.knob}, lr, seed: {seen[name]} and "
+                                        f"{key}); they would share one run directory")
                                 continue  # two budgets rounding to one step count: one run
-                            seen.add(name)
+                            seen[name] = key
                             points.append(Point(
                                 name, variant.name, size, lr, seed, rung.n, rung.n_total,
                                 rung.flops_per_token, value, frac, steps, tokens,
@@ -170,7 +172,7 @@ def _branched(sweep: Sweep, points: list[Point]) -> Plan:
         by_key.setdefault((p.variant, p.size, p.lr, p.seed), []).append(p)
     out, groups = [], []
     for (variant, size, lr, seed), members in by_key.items():
-        gname = f"{variant}.{sweep.ladder.knob[0]}{size}.lr{_label(lr)}.s{seed}.stable"
+        gname = f"{variant}.{sweep.ladder.knob[0]}{size}.lr{lr_label(lr)}.s{seed}.stable"
         branched = []
         for p in members:
             b = branch_step(p.config.optim, p.steps)
