@@ -8,6 +8,7 @@ cache. Model: one MLA layer, d_model 32, vocab 256, 32-token sequences of the MQ
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import pytest
 from suite_env import subprocess_env
 
 from k3jax.config.experiment import OptimConfig
-from k3jax.sweep import Budget, Executor, Ladder, Sweep, SweepError, Variant, load_sweep
+from k3jax.parallel import compile_cache
+from k3jax.sweep import Budget, Executor, Ladder, Sweep, SweepError, Variant, load_sweep, runner
 from k3jax.sweep import plan as plan_module
 from k3jax.sweep.__main__ import main
 from k3jax.sweep.plan import branch_step, plan_sweep
@@ -172,6 +174,59 @@ def test_side_by_side_merges_overlapping_launches(tmp_path):
         d.mkdir(parents=True)
         (d / TIMING_FILE).write_text(json.dumps(s))
     assert side_by_side(tmp_path) == (20 + 10 + 5, 10 + 10 + 15 + 5)
+
+
+def _done_point(root: Path, row: dict, spans: list, tokens_per_s: float) -> None:
+    d = run_dir(root, row["name"])
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"steps": row["steps"], "heldout_last": {}}))
+    (d / "metrics.jsonl").write_text(json.dumps({"kind": "train", "tokens_per_s": tokens_per_s}))
+    (d / TIMING_FILE).write_text(json.dumps(spans))
+
+
+def test_overhead_counts_the_stable_stretch_each_branch_trained(tmp_path):
+    """128 tokens a step at 64 tokens/s: 2 s a step. Branch ``a`` trained the stable phase to
+    its step 6, then 4 steps of its own; ``b`` the stable phase from 6 to 14, then 6 of its own;
+    ``c`` (no branch) its 10 steps. Each spent the rest of its wall time on anything else."""
+    points = [{"name": "a", "steps": 10, "tokens": 1280, "branch_step": 6, "group": "g"},
+              {"name": "b", "steps": 20, "tokens": 2560, "branch_step": 14, "group": "g"},
+              {"name": "c", "steps": 10, "tokens": 1280, "branch_step": None, "group": None}]
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"points": points}))
+    _done_point(tmp_path, points[0], [[0, 30, 6]], 64)
+    _done_point(tmp_path, points[1], [[30, 45, 3], [50, 75, 5]], 64)  # resumed once
+    _done_point(tmp_path, points[2], [[0, 25]], 64)
+    rows = {r["name"]: r for r in collect(tmp_path)}
+    assert {n: r["wall_s"] for n, r in rows.items()} == {"a": 30, "b": 40, "c": 25}
+    # All 20 of b's steps at 2 s would fill its 40 s; 6 of them ran in a's launch.
+    assert rows["a"]["overhead"] == pytest.approx(1 - 20 / 30)
+    assert rows["b"]["overhead"] == pytest.approx(1 - 28 / 40)
+    assert rows["c"]["overhead"] == pytest.approx(1 - 20 / 25)
+    assert side_by_side(tmp_path) == (45 + 25, 30 + 40 + 25)
+
+
+def test_a_branch_launch_records_the_stable_steps_it_trained(tmp_path, monkeypatch):
+    """Training stood in for by checkpoint directories: the first branch's launch trains the
+    stable phase to step 5, the second's from 5 to 8, and a resumed launch none."""
+    def train(cfg, workdir):
+        (workdir / "checkpoints" / str(cfg.train.steps)).mkdir(parents=True, exist_ok=True)
+        (workdir / "summary.json").write_text(json.dumps({"steps": cfg.train.steps}))
+
+    monkeypatch.setattr(runner, "_train", train)
+    monkeypatch.setattr(compile_cache, "use_compilation_cache", lambda default: default)
+    sweep = load_sweep(_spec(tmp_path / "toy.py", fractions=(0.5, 1.0), seeds=(0,),
+                             branching=True, variants='(Variant("situ"),)'))
+    plan = plan_sweep(sweep)
+    write_plan(plan, tmp_path / "d")
+    (group,) = plan.groups
+    second = run_dir(tmp_path / "d", group.points[1])
+    (second / "checkpoints" / "9").mkdir(parents=True)  # to be resumed from its own checkpoint
+    assert set(runner.run_job(tmp_path / "d", group.name).values()) == {"done"}
+    stable = [[span[2:] for span in json.loads((run_dir(tmp_path / "d", n) / TIMING_FILE)
+                                               .read_text())] for n in group.points]
+    assert stable == [[[5]], [[]]]
+    shutil.rmtree(second)
+    runner.run_job(tmp_path / "d", group.name)
+    assert json.loads((second / TIMING_FILE).read_text())[0][2:] == [3]
 
 
 def test_wsd_branches_equal_full_wsd_runs(env):

@@ -35,6 +35,19 @@ def _median(records: list[dict], key: str) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def _spans(d: Path) -> list[list[float]]:
+    return json.loads((d / TIMING_FILE).read_text()) if (d / TIMING_FILE).is_file() else []
+
+
+def _tokens_stepped(point: dict, spans: list[list[float]]) -> int:
+    """Tokens a point's launches (``spans``, its timing file's) trained towards its result: a WSD
+    branch's own steps from its branch step on, plus the stretch of the shared stable phase its
+    launches trained first (the earlier stretches ran in earlier branches' launches)."""
+    own = point["steps"] - (point.get("branch_step") or 0)
+    stable = sum(span[2] for span in spans if len(span) > 2)
+    return point["tokens"] // point["steps"] * (own + stable)
+
+
 def collect(root: str | Path) -> list[dict]:
     """One row per planned point, from its run directory."""
     from k3jax.train.metrics import read_metrics
@@ -50,15 +63,18 @@ def collect(root: str | Path) -> list[dict]:
         # From a launch's start to its first step done (compile included), summed over launches.
         row["startup_s"] = sum(r["start_to_first_step_s"] for r in records
                                if r.get("kind") == "compile") or None
-        if (d / TIMING_FILE).is_file():
-            row["wall_s"] = sum(b - a for a, b in json.loads((d / TIMING_FILE).read_text()))
+        spans = _spans(d)
+        if spans:
+            row["wall_s"] = sum(span[1] - span[0] for span in spans)
         if row["status"] == "done":
             summary = json.loads((d / "summary.json").read_text())
             last = summary.get("heldout_last", {})
             row.update(loss=last.get("loss"), bpb=last.get("bpb"))
             if row["wall_s"] and row["tokens_per_s"]:
                 # Start-up, compilation, evaluation and checkpoints: wall time not spent stepping.
-                row["overhead"] = max(0.0, 1 - p["tokens"] / row["tokens_per_s"] / row["wall_s"])
+                # The stable phase's steps are timed at the point's rate: same model and batch.
+                stepping = _tokens_stepped(p, spans) / row["tokens_per_s"]
+                row["overhead"] = max(0.0, 1 - stepping / row["wall_s"])
         if row["status"] == "failed":
             row["error"] = json.loads((d / FAILED_FILE).read_text())["error"].splitlines()[0]
         rows.append(row)
@@ -71,9 +87,8 @@ def side_by_side(root: str | Path) -> tuple[float, float] | None:
     launches left out), and the points' wall times added up, what running them in turn would
     take if each ran as fast alone as beside the others. None before any point has run."""
     root = Path(root)
-    spans = sorted(span for p in read_plan(root)["points"]
-                   if (run_dir(root, p["name"]) / TIMING_FILE).is_file()
-                   for span in json.loads((run_dir(root, p["name"]) / TIMING_FILE).read_text()))
+    spans = sorted(span[:2] for p in read_plan(root)["points"]
+                   for span in _spans(run_dir(root, p["name"])))
     if not spans:
         return None
     busy, (start, end) = 0.0, spans[0]

@@ -36,7 +36,10 @@ from k3jax.sweep.spec import Executor, SweepError
 
 PLAN_FILE = "plan.json"
 FAILED_FILE = "failed.json"
-TIMING_FILE = "timing.json"  # [[start, end], ...] of each invocation, start-up included
+# [[start, end], ...] of each launch of a point, start-up included. A WSD branch's launch first
+# trains the shared stable phase as far as the branch's step where no earlier point did: such a
+# span reads [start, end, stable steps it trained].
+TIMING_FILE = "timing.json"
 
 
 # -- the sweep directory ------------------------------------------------------------------------
@@ -134,6 +137,7 @@ def run_job(root: str | Path, job: str, started: float | None = None) -> dict[st
         if point_status(root, row) == "done":
             continue
         (run_dir(root, name) / FAILED_FILE).unlink(missing_ok=True)
+        stable_from = _stable_step(root, group)
         try:
             if group is not None:
                 _seed_branch(root, group, row)
@@ -141,7 +145,10 @@ def run_job(root: str | Path, job: str, started: float | None = None) -> dict[st
         except Exception as e:  # noqa: BLE001 - recorded; the other points go on
             _record_failure(root, name, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         finally:
-            _add_timing(run_dir(root, name), t0, time.time())
+            # Steps up to the stable phase's newest checkpoint: those past it (a launch cut
+            # short) are trained again, so they are not this launch's work.
+            _add_timing(run_dir(root, name), t0, time.time(),
+                        max(0, _stable_step(root, group) - stable_from))
             t0 = time.time()
     return {n: point_status(root, rows[n]) for n in names}
 
@@ -153,7 +160,7 @@ def _seed_branch(root: Path, group: dict, row: dict) -> None:
     if _latest_step(ckpts) is not None:
         return
     b = row["branch_step"]
-    stable = Path(root) / "stable" / group["name"]
+    stable = _stable_dir(root, group["name"])
     src = stable / "checkpoints" / str(b)
     if not src.is_dir():
         reached = _latest_step(stable / "checkpoints")
@@ -169,11 +176,23 @@ def _seed_branch(root: Path, group: dict, row: dict) -> None:
     os.replace(tmp, ckpts / str(b))  # whole or absent: a copy cut short is never restored
 
 
-def _add_timing(d: Path, start: float, end: float) -> None:
+def _stable_dir(root: Path, group: str) -> Path:
+    return Path(root) / "stable" / group
+
+
+def _stable_step(root: Path, group: dict | None) -> int:
+    """The step of the newest checkpoint of ``group``'s stable phase; 0 without one or a group."""
+    if group is None:
+        return 0
+    return _latest_step(_stable_dir(root, group["name"]) / "checkpoints") or 0
+
+
+def _add_timing(d: Path, start: float, end: float, stable_steps: int = 0) -> None:
     path = d / TIMING_FILE
     spans = json.loads(path.read_text()) if path.is_file() else []
     d.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps([*spans, [start, end]]))
+    span = [start, end, stable_steps] if stable_steps else [start, end]
+    write_atomically(path, json.dumps([*spans, span]))
 
 
 # -- executors ----------------------------------------------------------------------------------
