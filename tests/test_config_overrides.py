@@ -39,6 +39,7 @@ def test_overrides_are_typed_and_nested():
     ("optim.weight_decay=nan", ["optim.weight_decay", "finite"]),
     ("optim.clip_norm=inf", ["optim.clip_norm", "finite"]),
     ("data.seed=-3", ["data.seed", "-3", ">= 0"]),
+    ("mesh.rules=((batch,data),)", ["mesh.rules", "a table", "preset file"]),
     ("train.seed=-1", ["train.seed", ">= 0"]),
 ])
 def test_bad_overrides_name_the_key(item, must_mention):

@@ -402,6 +402,9 @@ def parse_value(tp: Any, raw: str, key: str) -> Any:
                 return choice
         raise ConfigError(f"--set {key}={raw!r}: expected one of {', '.join(map(repr, args))}")
     if origin is tuple:
+        if len(args) != 2 or args[1] is not Ellipsis or typing.get_origin(args[0]) is tuple:
+            raise ConfigError(f"--set {key}: a table ({_type_name(tp)}), which a comma-separated "
+                              "value cannot spell; set it in a preset file")
         items = [s.strip() for s in raw.strip("()[] ").split(",") if s.strip()]
         return tuple(parse_value(args[0], s, key) for s in items)
     if dataclasses.is_dataclass(tp):
