@@ -116,7 +116,7 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
 
     # Here, not at the top: `python -m k3jax.train.memory` runs that module as a script, which
     # importing the package must not have imported already.
-    from k3jax.train.memory import check_state_fits, memory_line, memory_record
+    from k3jax.train.memory import check_state_fits
 
     first_process = jax.process_index() == 0
     config = _recorded_config(cfg, data)
@@ -153,31 +153,11 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
     sharded_shapes = sharded_state_shapes(cfg.model, mesh, rules, make_state, variables,
                                            variable_axes)
     start = 0 if found is None else found[0]
-    # XLA compiles the step on a worker thread while the state is created or restored below
-    # (a finished run has no step left to compile). One compiled step per attention layout the
-    # batches take (step_documents), each compiled when a batch first needs it. Each is written
-    # to the executable cache with the first checkpoint (what a resumed run needs): the write
-    # holds the interpreter lock for seconds, which would stall the steps beside it.
-    compiled_steps = {}
-
-    def compile_for(documents: str, host_batch: dict):
-        """Start compiling the step for this batch, kept under its layout ``documents``; returns
-        the schedule's placed numbers."""
-        schedule, compiled_steps[documents] = compile_step_async(
-            cfg, mesh, sharded_shapes, axes, host_batch, first_save)
-        return schedule
-
-    def store_steps(prog: Progress) -> None:
-        """Let the compiled steps be written and wait for that, outside the throughput window."""
-        t0 = time.time()
-        first_save.set_result(None)
-        for compiling in compiled_steps.values():
-            compiling.result().stored.result()
-        prog.window_t += time.time() - t0
-
+    # XLA compiles the step on a worker thread while the state is created or restored below (a
+    # finished run has no step left to compile).
+    steps = _TrainSteps(cfg, mesh, sharded_shapes, axes, first_save, log)
     if start < cfg.train.steps:
-        first_batch = data.train(start)
-        lr_args = compile_for(step_documents(cfg, first_batch), first_batch)
+        lr_args = steps.start(data.train(start))
     eval_jit = jax.jit(make_eval_step(K3Model(cfg.model)))
     eval_step = under_mesh(eval_jit, mesh, rules)
     # The evaluation at step 0 does not hold up the first step: its program compiles once that
@@ -202,41 +182,17 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
         state = jax.device_put(state, shardings_of(sharded_shapes))  # the compiled step's layout
     writer = MetricsWriter(workdir, start, enabled=first_process)
     past = history(read_metrics(workdir), start) if start else {}
-    tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
-                         cfg.eval.batches, cfg.model.vocab_size)
+    prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
+    held_out = _Evaluator(cfg, eval_step, data, writer, log)
 
-    def evaluate(step: int, variables: tuple, prog: Progress) -> None:
-        """Evaluate ``variables`` (params, balance) as the variables of ``step``; the time it takes
-        is not the throughput window's."""
-        jax.block_until_ready(state["step"])  # the steps dispatched before it are the window's
+    def evaluate(step: int, variables: tuple) -> None:
+        # The steps dispatched before it are the throughput window's, the evaluation is not.
+        jax.block_until_ready(state["step"])
         t0 = time.time()
-        result = evaluate_batches(eval_step, *variables, data.heldout)
-        if not data.has_bytes:
-            result.pop("bpb")
-        record = {**{k: result[k] for k in EVAL_KEYS if k in result},
-                  **flatten(result["diag"], "diag/")}
-        for name, batches in tasks.items():
-            r = evaluate_batches(eval_step, *variables, batches)
-            record[f"{name}/accuracy"], record[f"{name}/loss"] = r["accuracy"], r["loss"]
-        writer.write(step, "eval", record)
-        prog.first_eval = prog.first_eval or {"step": step, **result}
-        prog.last_eval = {"step": step, **result}
-        extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in tasks)
-        log(f"[eval] step {step}: held-out {_eval_words(result)}{extra}")
+        prog.last_eval = held_out(step, variables)
+        prog.first_eval = prog.first_eval or prog.last_eval
         prog.window_t += time.time() - t0
 
-    def step_for(step: int, host_batch: dict):
-        """``(compiled step, compiled just now)`` for this batch's attention layout: a layout no
-        batch took before compiles here, and the step waits for it."""
-        documents = step_documents(cfg, host_batch)
-        fresh = documents not in compiled_steps
-        if fresh:
-            log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
-                "compiling the train step for that")
-            compile_for(documents, host_batch)
-        return compiled_steps[documents].result(), fresh
-
-    prog = Progress(start, cfg.data.batch_size * cfg.data.seq_len, **past)
     # Step 0's variables, kept (a copy: the steps donate the state) until their evaluation runs:
     # as soon as its program is compiled, at the latest before the first checkpoint or the next
     # evaluation, so that evaluations stay in step order.
@@ -244,7 +200,7 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
     if start == 0:
         at_start = (state["params"], state["balance"])
         if eval_compiled is None:
-            evaluate(0, at_start, prog)
+            evaluate(0, at_start)
         else:
             # Into their own shardings: without a target, jax takes arrays over several
             # processes for one device's.
@@ -258,7 +214,7 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
         for step in range(start, cfg.train.steps):
             host_batch = data.train(step)
             t_call = time.time()
-            compiled, fresh = step_for(step, host_batch)
+            compiled, fresh = steps.for_batch(step, host_batch)
             state, metrics = compiled.run(state, place({k: host_batch[k] for k in BATCH_KEYS}),
                                           lr_args)
             if pending is not None:
@@ -268,16 +224,8 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
             if step == start:  # the first step waits for the compile: time from its end
                 jax.block_until_ready(metrics["loss"])
                 prog.window_t, prog.window_steps = time.time(), 0
-                first, since_start = prog.window_t - t_call, prog.window_t - t_start
-                temp = compiled.temp_bytes()
-                writer.write(done, "compile", {"first_step_s": first,
-                                               "start_to_first_step_s": since_start,
-                                               **compiled.seconds,
-                                               **memory_record(state_bytes, temp)})
-                log(f"[compile] first train step done {since_start:.1f} s after the start; "
-                    f"{_compile_words(compiled.seconds)} while the state was set up, then the "
-                    f"step waited {first:.1f} s")
-                log(memory_line(state_bytes, temp))
+                _record_first_step(writer, log, compiled, done, prog.window_t - t_call,
+                                   prog.window_t - t_start, state_bytes)
                 first_step.set_result(None)
             elif fresh:  # its compile is not throughput: the window starts after it
                 jax.block_until_ready(metrics["loss"])
@@ -294,16 +242,16 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
             if initial is not None and (saving or done % cfg.eval.every == 0 or (
                     jax.process_count() == 1 and eval_compiled.done())):
                 eval_compiled.result()
-                evaluate(0, initial, prog)
+                evaluate(0, initial)
                 initial = None
             # Evaluated before it is saved: a run killed in between redoes the step and its
             # evaluation, where the other order would resume past an evaluation never made.
             if done % cfg.eval.every == 0 or done == cfg.train.steps:
-                evaluate(done, (state["params"], state["balance"]), prog)
+                evaluate(done, (state["params"], state["balance"]))
             if saving:
                 ckpt.save(done, state, _meta(config, done, cfg))
-                if not first_save.done():
-                    store_steps(prog)
+                if not first_save.done():  # outside the throughput window
+                    prog.window_t += steps.store()
             else:
                 ckpt.poll()
             if done == kill_at:
@@ -321,6 +269,71 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
         write_atomically(workdir / "summary.json", json.dumps(
             {k: v for k, v in summary.items() if k != "lines"}, indent=1))
     return summary
+
+
+class _TrainSteps:
+    """A run's compiled train steps: one per attention layout its batches take
+    (:func:`step_documents`), each compiled on a worker thread from the first batch that needs it.
+    They are written to the executable cache with the first checkpoint, what a resumed run
+    needs (``first_save``): the write holds the interpreter lock for seconds, which would stall
+    the steps beside it."""
+
+    def __init__(self, cfg, mesh, sharded_shapes: dict, axes: dict, first_save: Future, log):
+        self.cfg, self.mesh, self.sharded_shapes, self.axes = cfg, mesh, sharded_shapes, axes
+        self.first_save, self.log = first_save, log
+        self.compiling: dict[str, Future] = {}
+
+    def start(self, host_batch: dict) -> dict:
+        """Start compiling the step of this batch's layout; returns the schedule's placed numbers
+        (the same for every layout)."""
+        schedule, self.compiling[step_documents(self.cfg, host_batch)] = compile_step_async(
+            self.cfg, self.mesh, self.sharded_shapes, self.axes, host_batch, self.first_save)
+        return schedule
+
+    def for_batch(self, step: int, host_batch: dict):
+        """``(compiled step, compiled just now)`` for this batch's layout: a layout no batch took
+        before compiles here, and the step waits for it."""
+        documents = step_documents(self.cfg, host_batch)
+        fresh = documents not in self.compiling
+        if fresh:
+            self.log(f"[compile] step {step + 1}: its batch takes MLA's {documents} attention; "
+                     "compiling the train step for that")
+            self.start(host_batch)
+        return self.compiling[documents].result(), fresh
+
+    def store(self) -> float:
+        """Let the compiled steps be written and wait for that; returns the seconds it took."""
+        t0 = time.time()
+        self.first_save.set_result(None)
+        for compiling in self.compiling.values():
+            compiling.result().stored.result()
+        return time.time() - t0
+
+
+class _Evaluator:
+    """The held-out loss (and bits per byte) of given variables and the accuracy of the config's
+    synthetic tasks, written to the metrics and the log."""
+
+    def __init__(self, cfg, eval_step, data, writer: MetricsWriter, log):
+        self.eval_step, self.data, self.writer, self.log = eval_step, data, writer, log
+        self.tasks = task_batches(cfg.eval.tasks, cfg.data.seq_len, cfg.data.batch_size,
+                                  cfg.eval.batches, cfg.model.vocab_size)
+
+    def __call__(self, step: int, variables: tuple) -> dict:
+        """Evaluate ``variables`` (params, balance) as those of ``step``; -> the held-out
+        result with its ``step``."""
+        result = evaluate_batches(self.eval_step, *variables, self.data.heldout)
+        if not self.data.has_bytes:
+            result.pop("bpb")
+        record = {**{k: result[k] for k in EVAL_KEYS if k in result},
+                  **flatten(result["diag"], "diag/")}
+        for name, batches in self.tasks.items():
+            r = evaluate_batches(self.eval_step, *variables, batches)
+            record[f"{name}/accuracy"], record[f"{name}/loss"] = r["accuracy"], r["loss"]
+        self.writer.write(step, "eval", record)
+        extra = "".join(f", {n} acc {record[f'{n}/accuracy']:.3f}" for n in self.tasks)
+        self.log(f"[eval] step {step}: held-out {_eval_words(result)}{extra}")
+        return {"step": step, **result}
 
 
 def step_documents(cfg, host_batch: dict) -> str:
@@ -392,6 +405,21 @@ def _step_cache():
     if not (jax.config.jax_enable_compilation_cache and directory and usable()):
         return None
     return ExecutableCache(Path(directory) / "k3jax-steps")
+
+
+def _record_first_step(writer: MetricsWriter, log, compiled, step: int, waited: float,
+                       since_start: float, state_bytes) -> None:
+    """``metrics.jsonl``'s compile record and the log's lines on it: the time from the start to
+    the first step done, what the step ``waited`` for its compile, the memory per device."""
+    from k3jax.train.memory import memory_line, memory_record  # as in _run_locked
+
+    temp = compiled.temp_bytes()
+    writer.write(step, "compile", {"first_step_s": waited, "start_to_first_step_s": since_start,
+                                   **compiled.seconds, **memory_record(state_bytes, temp)})
+    log(f"[compile] first train step done {since_start:.1f} s after the start; "
+        f"{_compile_words(compiled.seconds)} while the state was set up, then the step waited "
+        f"{waited:.1f} s")
+    log(memory_line(state_bytes, temp))
 
 
 def _compile_words(seconds: dict) -> str:
