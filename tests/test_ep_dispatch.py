@@ -10,6 +10,8 @@ is doubled over tensor replicas).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,9 +23,9 @@ from k3jax.config import ConfigError, ModelConfig, MoEConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.layers.moe import MoEBlock, make_dispatch
 from k3jax.ops.ep_dispatch import capacity, ep_dispatch
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
 from k3jax.ops.routing import route, router_scores
-from k3jax.ops.tolerance import FP32_TOL, rel_rms
+from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 
 E, D, M, N, K = 8, 16, 24, 64, 2
 EMPTY_EXPERT = 5
@@ -96,6 +98,29 @@ def test_dropless_dispatch_equals_single_device(problem, reference, kind, sizes,
             assert rel_rms(a, b) <= FP32_TOL, name
     # The empty expert's weights get exactly zero gradient.
     assert np.max(np.abs(np.asarray(grads[2].w_gate)[EMPTY_EXPERT])) == 0.0
+
+
+@pytest.mark.parametrize("sizes", [dict(data=2, expert=4),
+                                   dict(data=1, fsdp=2, expert=2, tensor=2)])
+def test_ring_in_bf16_equals_single_device_within_bf16_tolerance(problem, sizes):
+    """bf16 tokens and expert weights through the ring, whose cross-device sums (the reduce-scatter
+    over the expert axes, the tensor axis's ``psum``) run in bf16, against the single-device ragged
+    dispatch in fp32 on the same values: outputs and gradients within math §10's bf16 bounds."""
+    x, ids, w, ew, probe = problem
+    bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.bfloat16))
+    f32 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.float32))
+    x16, ew16 = bf16((x, ew))
+    x32, ew32 = f32((x16, ew16))
+    y_ref, grads_ref = _value_and_grads(ragged_dispatch, (x32, ids, w, ew32, probe))
+    mesh, rules = _mesh(**sizes)
+    with kp.use_mesh(mesh, rules):
+        y, grads = _value_and_grads(lambda *a: ep_dispatch("ring", *a)[0],
+                                    (x16, ids, w, ew16, probe))
+    assert y.dtype == jnp.bfloat16
+    assert rel_rms(y_ref, y) <= BF16_OUT_TOL, rel_rms(y_ref, y)
+    for name, g_ref, g in zip(("x", "weights", "expert weights"), grads_ref, grads):
+        for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g)):
+            assert rel_rms(a, b) <= BF16_GRAD_QKV_TOL, (name, rel_rms(a, b))
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

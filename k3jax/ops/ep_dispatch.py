@@ -29,10 +29,17 @@ of exactly balanced routing. Slots over capacity contribute nothing; their count
 mesh, per forward) is returned beside ``y``; the MoE block sows it as
 ``diagnostics/dropped_slots``.
 
-Expert outputs travel back in the compute dtype (``x.dtype``) for ``all_to_all`` and
-``ragged_all_to_all``; the ring reduces the weighted fp32 sums (its combine happens before the
-exchange). The balancing statistics need nothing here: routing runs outside on the global arrays,
-where XLA sums ``load``/``hist`` over the devices that hold different tokens exactly once.
+Precision: every per-device combine (a token's slots weighted and summed) is fp32, and what
+crosses the expert axes is in the compute dtype (``x.dtype``). ``all_to_all`` and
+``ragged_all_to_all`` send the expert outputs back in it and combine them after the exchange (the
+tensor-parallel ``psum`` of the down projection before it is fp32). The ring combines before its
+exchange, so its ``E_p``-way reduce-scatter adds the devices' fp32 partial sums rounded to the
+compute dtype, and its tensor-parallel ``psum`` runs in that dtype too: in bf16, half the bytes of
+fp32 on the wire, for one more rounding of each partial sum (held to math §10's bf16 output
+tolerance against the single-device dispatch).
+
+The balancing statistics need nothing here: routing runs outside on the global arrays, where XLA
+sums ``load``/``hist`` over the devices that hold different tokens exactly once.
 """
 
 from __future__ import annotations
@@ -166,8 +173,9 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
         y_slots = jax.lax.psum(y_slots, lay.mlp_axes)
     partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32),
                          preferred_element_type=F32)
-    # Each token's sum over its own slots is fp32; the two-way sum across devices travels in the
-    # input dtype (half the bytes in bf16; the result is rounded to it anyway).
+    # Each token's sum over the slots this device ran is fp32; the E_p-way reduce-scatter of those
+    # partial sums runs in the compute dtype, half the bytes of fp32 in bf16 (the result is rounded
+    # to it anyway; the partials' own rounding is the price).
     y = jax.lax.psum_scatter(partial.astype(x.dtype), ax, scatter_dimension=0, tiled=True)
     dropped = (jnp.sum(local < e_local) - kept).astype(jnp.int32)
     return y.astype(x.dtype), jax.lax.psum(dropped, lay.token_axes)
