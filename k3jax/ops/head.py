@@ -6,7 +6,9 @@ cotangent: both backward products, ``dh = g W^T`` and ``dW = h^T g``, then run w
 operand, i.e. as fp32 (TF32) matrix products, the largest of a small model's step (``V`` is its
 widest dimension). Here the cotangent is rounded to the operands' dtype once, as mixed-precision
 training rounds every other activation gradient, and both products run in that dtype with fp32
-accumulation; ``dW`` comes back in fp32 for the fp32 master weights.
+accumulation. ``dW`` is returned in ``w``'s dtype: the model casts its fp32 master weights to the
+compute dtype for the call, so their gradient is rounded to that dtype once and widened back to
+fp32 by the cast's transpose.
 """
 
 from __future__ import annotations
