@@ -2,8 +2,10 @@
 gathers in and out of it), the Mosaic GPU tile kernel (through the interpreter) and its custom VJP,
 each against ``jax.lax.ragged_dot`` or JAX's own gather.
 
-The VJP test uses the tile kernel in interpreter mode, whose rows in padding tiles are left
-unwritten (unspecified), so it also checks that nothing from them leaks into values or gradients.
+The VJP test runs the tile kernel in interpreter mode for the values and the input gradient (it
+leaves the rows of padding tiles unwritten) and ``ragged_dot``'s VJP for the weight gradient (the
+Mosaic kernel that takes its place on a GPU is held to it by ``test_grouped_matmul_gpu.py``). Its
+padding tiles hold junk inputs and get a nonzero cotangent, so a leak from them would show.
 """
 
 from __future__ import annotations
@@ -154,9 +156,11 @@ def test_tile_kernel_rejects_bad_shapes():
 
 def test_tile_kernel_custom_vjp_equals_ragged_dot():
     """Values and both gradients on aligned rows (an empty group, a zero-padded group, two padding
-    tiles past the groups) equal ``ragged_dot``'s within math §10's bf16 tolerances; the padding
-    tiles' rows are unspecified (unwritten) and nothing from them leaks into the real rows'
-    values and input gradient or into the weight gradient."""
+    tiles past the groups) equal ``ragged_dot``'s within math §10's bf16 tolerances. The padding
+    tiles hold junk inputs and get a nonzero cotangent: nothing from them may reach the real rows'
+    values and input gradient (the tile kernel's), nor the weight gradient, which the custom VJP
+    must ask for on ``x``, the cotangent and the groups as given (the weight-gradient kernel itself
+    is ``ragged_dot``'s VJP here). The zero rows inside group 0 are the layout's promise."""
     k, n = 128, 128
     real = np.array([BM + 5, 0, 2 * BM])                     # group 0 padded to 2 tiles
     sizes = jnp.asarray(-(-real // BM) * BM, jnp.int32)
@@ -164,19 +168,21 @@ def test_tile_kernel_custom_vjp_equals_ragged_dot():
     present = np.zeros(rows, bool)
     present[:real[0]] = True
     present[2 * BM: 4 * BM] = True
+    past_groups = np.arange(rows) >= int(sizes.sum())
 
     @jax.jit  # one compile, not one per op
     def inputs(key):
-        kx, kw, kc = jax.random.split(key, 3)
-        x = jnp.where(present[:, None], jax.random.normal(kx, (rows, k)), 0).astype(jnp.bfloat16)
+        kx, kw, kc, kj = jax.random.split(key, 4)
+        x = jnp.where(present[:, None], jax.random.normal(kx, (rows, k)), 0)
+        x = jnp.where(past_groups[:, None], 3.0 + jax.random.normal(kj, (rows, k)), x)
         w = (jax.random.normal(kw, (3, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-        return x, w, jax.random.normal(kc, (rows, n))
+        return x.astype(jnp.bfloat16), w, jax.random.normal(kc, (rows, n))
 
     x, w, cot = inputs(jax.random.key(2))
-    mask = present[:, None]
+    assert np.all(np.asarray(x, np.float32)[past_groups] != 0) and np.all(np.asarray(cot) != 0)
 
     def loss(f):
-        return lambda x, w: jnp.sum(jnp.where(mask, f(x, w), 0.0) * cot)
+        return lambda x, w: jnp.sum(f(x, w) * cot)
 
     ours = lambda x, w: kernel_gmm(x, w, sizes, INTERPRETED)  # noqa: E731
     ref = lambda x, w: jax.lax.ragged_dot(  # noqa: E731
