@@ -95,6 +95,42 @@ def test_mix_equals_the_formula_on_its_sources_values_and_gradients(n_blocks, pa
         assert float(jnp.max(jnp.abs(g_op[1]))) == 0.0
 
 
+@pytest.mark.parametrize("partial_valid", [True, False])
+def test_gradients_through_the_returned_weights_equal_the_formula(partial_valid):
+    """A loss on both outputs, the read ``h`` and the depth weights ``alpha`` (which the
+    diagnostics average): gradients w.r.t. the blocks, the partial sum, the query and the key-norm
+    weight equal autodiff of math §5's formula, with the partial sum a source or masked out."""
+    blocks = tuple(_normal(i, (B, T, D)) for i in range(2))
+    partial = _normal(10, (B, T, D))
+    w, g = _normal(11, (D,)), 1.0 + _normal(12, (D,), 0.3)
+    probe_h, probe_alpha = _normal(13, (B, T, D)), _normal(14, (3, B, T))
+
+    def formula(blocks, partial, w, g):
+        sources = list(blocks) + ([partial] if partial_valid else [])
+        scores = jnp.stack([rms_norm(v, g, EPS) @ w for v in sources])
+        alpha = jax.nn.softmax(scores, axis=0)
+        if not partial_valid:                         # a masked source gets weight 0
+            alpha = jnp.concatenate([alpha, jnp.zeros_like(alpha[:1])])
+        return depth_mix_reference(sources, w, g, EPS), alpha
+
+    def op(blocks, partial, w, g):
+        return depth_mix(blocks, partial, w, g, EPS, jnp.asarray(partial_valid))
+
+    def loss(f):
+        def value(*args):
+            h, alpha = f(*args)
+            return jnp.sum(h * probe_h) + jnp.sum(alpha * probe_alpha)
+        return jax.grad(value, argnums=(0, 1, 2, 3))
+
+    # one program for both gradients
+    ours, ref = jax.jit(lambda *a: (loss(op)(*a), loss(formula)(*a)))(blocks, partial, w, g)
+    for name, a, b in zip(("blocks", "partial", "w", "g"), ref, ours):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert rel_rms(x, y) <= FP32_TOL, (name, rel_rms(x, y))
+    if not partial_valid:
+        assert float(jnp.max(jnp.abs(ours[1]))) == 0.0
+
+
 def test_zero_query_mixes_uniformly_and_bf16_stays_within_spec_tolerance():
     blocks, partial = tuple(_normal(i, (B, T, D)) for i in range(2)), _normal(5, (B, T, D))
     h, alpha = depth_mix(blocks, partial, jnp.zeros(D), jnp.ones(D), EPS)
