@@ -333,7 +333,9 @@ GOOD = dict(q=Q, k=Q, v=V_, g=Q, beta=BETA)
     (dict(segment_ids=S((2, 7), jnp.int32)), "segment_ids.shape"),
     (dict(initial_state=S((2, H, DV, DK + 1), F32)), "initial_state.shape"),
     (dict(scale=-1.0), "scale"),
+    (dict(scale=float("inf")), "scale"),
     (dict(output_final_state=1), "output_final_state"),
+    (dict(use_qk_l2norm=1), "use_qk_l2norm"),
 ])
 def test_validation_names_the_argument(change, argument):
     kw = {**GOOD, **change}
@@ -346,6 +348,9 @@ def test_validation_names_the_argument(change, argument):
     (dict(v=S((2, H + 1, DV), F32)), "v.shape"),
     (dict(state=S((2, H, DK, DV + 1), F32)), "state.shape"),
     (dict(beta=S((2, H), jnp.int8)), "beta.dtype"),
+    (dict(state=None), "state"),
+    (dict(scale=float("inf")), "scale"),
+    (dict(use_qk_l2norm="yes"), "use_qk_l2norm"),
 ])
 def test_decode_validation_names_the_argument(change, argument):
     kw = {**dict(q=S((2, H, DK), F32), k=S((2, H, DK), F32), v=S((2, H, DV), F32),

@@ -14,6 +14,7 @@ Arguments are validated here, in Python, before anything is traced or compiled.
 
 from __future__ import annotations
 
+import math
 import numbers
 import typing
 
@@ -80,17 +81,19 @@ def _check_inputs(fn, q, k, v, g, beta, initial_state, segment_ids, token_axis):
     _check_array(fn, "beta", beta, len(lead), spec(*lead))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         _fail(fn, "k.dtype/v.dtype", f"{k.dtype}/{v.dtype}", f"q's dtype {q.dtype}")
-    if initial_state is not None:
+    if initial_state is not None or not token_axis:    # a decode step needs its state
         _check_array(fn, "initial_state" if token_axis else "state", initial_state, 4,
                      spec("B", "H", "K", "V"))
     if segment_ids is not None:
         _check_array(fn, "segment_ids", segment_ids, 2, spec("B", "T"), float_dtype=False)
 
 
-def _check_options(fn, scale, chunk_size=None, impl=None):
+def _check_options(fn, scale, use_qk_l2norm, chunk_size=None, impl=None):
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not scale > 0):
-        _fail(fn, "scale", scale, "None or a positive real number")
+                              or not 0 < scale < math.inf):
+        _fail(fn, "scale", scale, "None or a finite positive real number")
+    if not isinstance(use_qk_l2norm, bool):     # it picks the program: a static Python bool
+        _fail(fn, "use_qk_l2norm", use_qk_l2norm, "a bool")
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size < 16 or chunk_size & (chunk_size - 1)):
         _fail(fn, "chunk_size", chunk_size, "a power of two >= 16")
@@ -149,7 +152,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
     """
     _check_inputs("kda", q, k, v, g, beta, initial_state, segment_ids, token_axis=True)
-    _check_options("kda", scale, chunk_size, impl)
+    _check_options("kda", scale, use_qk_l2norm, chunk_size, impl)
     if not isinstance(output_final_state, bool):
         _fail("kda", "output_final_state", output_final_state, "a bool")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -207,7 +210,7 @@ def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
       ``(o [B, H, V] in q's dtype, new_state [B, H, K, V] fp32)``.
     """
     _check_inputs("kda_decode", q, k, v, g, beta, state, None, token_axis=False)
-    _check_options("kda_decode", scale)
+    _check_options("kda_decode", scale, use_qk_l2norm)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
