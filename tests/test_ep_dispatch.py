@@ -10,6 +10,7 @@ is doubled over tensor replicas).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -253,3 +254,22 @@ def test_errors_before_tracing():
     if jax.default_backend() == "cpu":
         with pytest.raises(ConfigError, match="no CPU lowering"):
             make_dispatch(MoEConfig(dispatch="ragged_all_to_all"))
+
+
+@pytest.mark.parametrize("with_mesh", [False, True])
+@pytest.mark.parametrize("kind, options, error, message", [
+    ("ragged_all_to_all_v2", {}, ValueError, r"kind='ragged_all_to_all_v2' is invalid"),
+    ("ring", dict(capacity_factor=0.0), ValueError, r"capacity_factor=0.0 is invalid"),
+    ("all_to_all", dict(capacity_factor=-1), ValueError, r"capacity_factor=-1 is invalid"),
+    ("ring", dict(gmm="cutlass"), ValueError, r"grouped_matmul='cutlass'"),
+    ("ragged_all_to_all", dict(capacity_factor=1.5), ConfigError,
+     r"capacity_factor=1.5 is not supported by dispatch='ragged_all_to_all'"),
+])
+def test_bad_options_are_rejected_with_or_without_a_mesh(with_mesh, kind, options, error, message):
+    """ep_dispatch checks its options itself, also where no mesh makes it the ragged dispatch."""
+    x, ids, w = jnp.zeros((8, D)), jnp.zeros((8, K), jnp.int32), jnp.ones((8, K))
+    ew = ExpertWeights(jnp.zeros((E, D, M)), jnp.zeros((E, D, M)), jnp.zeros((E, M, D)))
+    mesh, rules = _mesh(data=2, expert=4)
+    with kp.use_mesh(mesh, rules) if with_mesh else contextlib.nullcontext():
+        with pytest.raises(error, match=message):
+            ep_dispatch(kind, x, ids, w, ew, ACT, **options)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -228,8 +229,10 @@ def ep_dispatch(kind: str, x: jax.Array, expert_ids: jax.Array, weights: jax.Arr
                 gmm: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
     """Expert-parallel dispatch ``kind`` under the current mesh -> ``(y [N, D], dropped [] int32)``.
 
-    Without a current mesh it is the single-device ``ragged`` dispatch (nothing dropped).
+    Without a current mesh it is the single-device ``ragged`` dispatch (nothing dropped). The
+    options are checked either way, so a call that works on one device works under a mesh.
     """
+    _check_options(kind, capacity_factor, gmm)
     check_dispatch_args(x, expert_ids, weights, experts)
     num_experts = experts.w_gate.shape[0]
     lay = current_layout(num_experts, x.shape[0])
@@ -255,21 +258,32 @@ def ep_dispatch(kind: str, x: jax.Array, expert_ids: jax.Array, weights: jax.Arr
         x, expert_ids.astype(jnp.int32), weights, *experts)
 
 
+def _check_options(kind: str, capacity_factor: float | None, gmm: str) -> None:
+    """ValueError (ConfigError for an option ``kind`` cannot take) naming the argument."""
+    if kind not in EP_DISPATCHES:
+        raise ValueError(f"ep_dispatch: kind={kind!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, EP_DISPATCHES))}")
+    if capacity_factor is not None and (isinstance(capacity_factor, bool)
+                                        or not isinstance(capacity_factor, numbers.Real)
+                                        or not 0 < capacity_factor < math.inf):
+        raise ValueError(f"ep_dispatch: capacity_factor={capacity_factor!r} is invalid: expected "
+                         "None (dropless) or a finite number > 0")
+    check_grouped_matmul(gmm)
+    if kind == "ragged_all_to_all" and capacity_factor is not None:
+        raise ConfigError(f"capacity_factor={capacity_factor!r} is not supported by dispatch="
+                          "'ragged_all_to_all' (dropless only); use 'all_to_all' or 'ring'")
+
+
 def make_ep_dispatch(kind: str, capacity_factor: float | None = None, gmm: str = "ragged_dot"):
     """``fn(x, expert_ids, weights, experts, act) -> (y, dropped)``: :func:`ep_dispatch` of ``kind``
     with its options bound; a kind or option that cannot run is an error here, before tracing."""
-    if kind not in EP_DISPATCHES:
-        raise ValueError(f"make_ep_dispatch: kind={kind!r}; expected one of {EP_DISPATCHES}")
-    check_grouped_matmul(gmm)
-    if kind == "ragged_all_to_all":
-        if capacity_factor is not None:
-            raise ConfigError("MoEConfig.capacity_factor is not supported by dispatch="
-                              "'ragged_all_to_all' (dropless only); use 'all_to_all' or 'ring'")
-        if jax.default_backend() == "cpu":
-            raise ConfigError("MoEConfig.dispatch='ragged_all_to_all' needs a GPU or TPU: "
-                              "jax.lax.ragged_all_to_all has no CPU lowering; on CPU use "
-                              "'all_to_all' or 'ring'")
-
+    _check_options(kind, capacity_factor, gmm)
+    # Only here: ep_dispatch itself must trace on CPU, where its offsets are checked through an
+    # emulation of the collective.
+    if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
+        raise ConfigError("MoEConfig.dispatch='ragged_all_to_all' needs a GPU or TPU: "
+                          "jax.lax.ragged_all_to_all has no CPU lowering; on CPU use "
+                          "'all_to_all' or 'ring'")
     return functools.partial(ep_dispatch, kind, capacity_factor=capacity_factor, gmm=gmm)
 
 
