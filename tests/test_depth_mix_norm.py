@@ -135,6 +135,13 @@ def test_kernels_reject_what_they_do_not_cover():
         kernels.check_args(sources, w * g, scale, ones, dx.astype(jnp.float32))
 
 
+def test_op_rejects_an_unknown_impl():
+    """An unknown ``impl`` is an error naming it, not the XLA path."""
+    sources, w, g, scale, _ = _operands(2, jnp.float32, shape=(1, 8, 32))
+    with pytest.raises(ValueError, match="depth_mix_norm: impl='triton' is invalid: expected"):
+        depth_mix_norm(sources[:-1], sources[-1], w, g, scale, EPS, NORM_EPS, impl="triton")
+
+
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],
                          ids=["data4_tensor2", "data2_fsdp4"])
 def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):

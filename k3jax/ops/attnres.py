@@ -179,6 +179,9 @@ _depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 # -- a read and the RMSNorm after it ---------------------------------------------------------------
 
+DEPTH_MIX_NORM_IMPLS = ("auto", "pallas", "xla")
+
+
 def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Array,
                    g: jax.Array, scale: jax.Array, eps: float, norm_eps: float,
                    partial_valid=True, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -192,6 +195,9 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
     (ValueError when they cannot take the call), ``"auto"`` runs them where they can (a Hopper GPU,
     tile-aligned shapes), ``"xla"`` the two steps apart (:func:`depth_mix`, then the norm).
     """
+    if impl not in DEPTH_MIX_NORM_IMPLS:
+        raise ValueError(f"depth_mix_norm: impl={impl!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
     sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
     if impl == "pallas" or (impl == "auto" and hopper_gpus()):
         from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
@@ -364,6 +370,6 @@ def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queri
     return merge_partial(o[0], lse[0], completed[-1], queries[-1], norms[-1], eps)
 
 
-__all__ = ["attnres_reference", "attnres_two_phase", "depth_mix", "depth_mix_norm",
-           "depth_mix_norm_kernels", "depth_mix_reference", "full_attnres_reference", "inter_block",
-           "kernel_depth_mix_norm", "merge_partial"]
+__all__ = ["DEPTH_MIX_NORM_IMPLS", "attnres_reference", "attnres_two_phase", "depth_mix",
+           "depth_mix_norm", "depth_mix_norm_kernels", "depth_mix_reference",
+           "full_attnres_reference", "inter_block", "kernel_depth_mix_norm", "merge_partial"]
