@@ -8,6 +8,7 @@ pytest -q tests/test_short_conv.py``).
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import k3jax.parallel as kp
 from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
 from k3jax.ops.kda import L2_EPS
-from k3jax.ops.short_conv import conv_silu, conv_silu_kernels, kernel_conv_silu
+from k3jax.ops.short_conv import conv_silu, conv_silu_kernels, conv_silu_step, kernel_conv_silu
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import short_conv as kernels
 
@@ -167,6 +168,40 @@ def test_kernels_reject_bad_taps_and_ids():
         conv_silu(x, jnp.zeros((4, BC)), jnp.zeros((2, BT + 1), jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="head_dim must be one of"):
         conv_silu(x, jnp.zeros((4, BC)), impl="pallas", head_dim=48)
+
+
+@pytest.mark.parametrize("change,expected", [
+    (dict(x=jnp.zeros((2, 8 * 16))), "x must be [B, T, C]"),
+    (dict(w=jnp.zeros((4, 8))), "w must be [W, C=16] with W >= 1"),
+    (dict(w=jnp.zeros((4, 16, 1))), "w must be [W, C=16]"),
+    (dict(w=jnp.zeros((0, 16))), "w must be [W, C=16] with W >= 1"),
+    (dict(state=jnp.zeros((2, 4, 16))), "state must be [B, W-1, C] = (2, 3, 16)"),
+    (dict(segment_ids=jnp.zeros((2, 7), jnp.int32)), "segment_ids must be integer [B, T]"),
+    (dict(segment_ids=jnp.zeros((2, 8))), "segment_ids must be integer [B, T]"),
+    (dict(head_dim=6), "head_dim must be None or a positive divisor of C=16, got 6"),
+    (dict(head_dim=0), "head_dim must be None or a positive divisor of C=16, got 0"),
+])
+def test_formula_path_names_the_bad_argument(change, expected):
+    """The formula path (any call the kernels do not take) checks its arguments too."""
+    kw = dict(x=jnp.zeros((2, 8, 16)), w=jnp.zeros((4, 16)), segment_ids=None, state=None,
+              head_dim=None)
+    kw.update(change)
+    with pytest.raises(ValueError, match="conv_silu: " + re.escape(expected)):
+        conv_silu(kw.pop("x"), kw.pop("w"), impl="reference", **kw)
+
+
+@pytest.mark.parametrize("change,expected", [
+    (dict(x=jnp.zeros((2, 1, 16))), "x must be [B, C]"),
+    (dict(w=jnp.zeros((4, 8))), "w must be [W, C=16]"),
+    (dict(state=jnp.zeros((2, 3, 8))), "state must be [B, W-1, C] = (2, 3, 16)"),
+    (dict(head_dim=5), "head_dim must be None or a positive divisor of C=16, got 5"),
+])
+def test_decode_step_names_the_bad_argument(change, expected):
+    kw = dict(x=jnp.zeros((2, 16)), w=jnp.zeros((4, 16)), state=jnp.zeros((2, 3, 16)),
+              head_dim=None)
+    kw.update(change)
+    with pytest.raises(ValueError, match="conv_silu_step: " + re.escape(expected)):
+        conv_silu_step(**kw)
 
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")

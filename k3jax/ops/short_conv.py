@@ -82,8 +82,32 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
             norm = None if head_dim is None else (head_dim, L2_EPS)
             return (conv_silu_kernels(x, w, seg, norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
+    _check_formula_args("conv_silu", x, w, state, head_dim, segment_ids)
     y, new_state = _conv32(x, w, segment_ids, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
+
+
+def _check_formula_args(fn, x, w, state, head_dim, segment_ids=None) -> None:
+    """ValueError naming the argument of :func:`conv_silu` (``x [B, T, C]``) or
+    :func:`conv_silu_step` (``x [B, C]``) that does not fit; the kernels check their own."""
+    layout = "[B, T, C]" if fn == "conv_silu" else "[B, C]"
+    if x.ndim != len(layout.split(",")):
+        raise ValueError(f"{fn}: x must be {layout}, got shape {x.shape}")
+    c = x.shape[-1]
+    if w.ndim != 2 or w.shape[1] != c or w.shape[0] < 1:
+        raise ValueError(f"{fn}: w must be [W, C={c}] with W >= 1, got shape {w.shape}")
+    want_state = (x.shape[0], w.shape[0] - 1, c)
+    if state is not None and state.shape != want_state:
+        raise ValueError(f"{fn}: state must be [B, W-1, C] = {want_state}, got shape "
+                         f"{state.shape}")
+    if segment_ids is not None and (segment_ids.shape != x.shape[:2]
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"{fn}: segment_ids must be integer [B, T] = {x.shape[:2]}, got "
+                         f"{segment_ids.shape} {segment_ids.dtype}")
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
+                                 or head_dim < 1 or c % head_dim):
+        raise ValueError(f"{fn}: head_dim must be None or a positive divisor of C={c}, got "
+                         f"{head_dim!r}")
 
 
 def _activate(y32: jax.Array, head_dim: int | None) -> jax.Array:
@@ -135,6 +159,7 @@ def _launcher(name: str):
 def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int | None = None
                    ) -> tuple[jax.Array, jax.Array]:
     """One decode token of :func:`conv_silu`: ``(activation [B, C] in x.dtype, new_state)``."""
+    _check_formula_args("conv_silu_step", x, w, state, head_dim)
     y, new_state = _step32(x, w, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
 
