@@ -15,7 +15,14 @@ Statistics are a dict of arrays:
 hold *different* tokens -- never over replicas of the same tokens). ``margins`` combine by
 concatenation along the token axis (an ``all_gather`` across devices): the exact version keeps every
 margin, so its statistics grow with the batch; it is the reference, the histogram the scalable rule.
-Every function accepts leading axes (a scanned layer stack: ``bias [L, E]``, ``load [L, E]``, ...).
+Leading axes (a scanned layer stack: ``bias [L, E]``, ``load [L, E]``, ...) are accepted where a
+whole collection is handled: :func:`zero_stats` (its ``leading``), :func:`add_stats`,
+:func:`reduce_stats`, :func:`max_vio`, :func:`balance_metrics`, :func:`hist_edges`,
+:func:`update_bias` and :func:`update_balance`. The statistics of one forward
+(:func:`qb_margins`, :func:`margin_histogram`, :func:`compute_stats`) and the quantiles
+(:func:`exact_quantiles`, :func:`hist_quantiles`) take one layer's arrays, as the shapes in their
+docstrings say (a layer stack's forward is scanned, and :func:`update_bias` maps over the layers);
+:func:`expert_loads` counts the ids of all its axes together.
 """
 
 from __future__ import annotations
