@@ -15,9 +15,9 @@ their own VJPs: the gates' chunk cumsum with the gated operands and the score ma
 inverse with ``W``, ``U`` (:mod:`pallas_kernels.kda_solve`). :func:`prepare_reference` computes the
 same quantities in plain fp32 JAX from the kernels' references (differentiated by autodiff).
 
-Numerics (math §3.3, PITFALLS "KDA"): the relative decay ``exp(G_r - G_j)`` is never split into
-``exp(G_r) exp(-G_j)`` over a span that can grow (the scores kernels' anchored levels,
-:mod:`pallas_kernels.kda_scores`).
+Numerics (math §3.3): the relative decay ``exp(G_r - G_j)`` is never split into
+``exp(G_r) exp(-G_j)`` over a span that can grow: K3's gate takes a chunk ~320 nats down, far past
+fp32's ``exp`` range (the scores kernels' anchored levels, :mod:`pallas_kernels.kda_scores`).
 
 Packed documents (``segment_ids``): no term may cross a segment start. Intra-chunk scores are
 masked by ``same_segment[r, j]``; the state entering a chunk reaches row ``r`` only if no segment

@@ -18,16 +18,16 @@ the reverse cumsum: no fp32 intermediate of the token-parallel part goes through
 combine. (The cumsum kernel writes them because it is light, with two CTAs per SM; the scores
 forward kernel runs one warpgroup per SM, where every store's latency would be exposed.)
 
-Numerics (math §3.3, PITFALLS "KDA"): ``exp(G_r - G_j)`` is never split over a span that can grow.
-A pair ``r > j`` belongs to exactly one level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row
-blocks: ``r`` in a right block ``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the
-decay factors through the right block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both
-factors ``<= 1`` for any gate magnitude. Each row ``x`` has one anchor per level,
-``p(x) = (x & ~(2s - 1)) + s``, and one factor ``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides
-(right-block rows take ``exp(G_x - G_p)``, left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA
-``(a E) (b E)^T`` (bf16 operands, fp32 accumulation) over all 64 x 64 pairs, kept only where
-``(r, j)`` are siblings at that level. The diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in
-fp32.
+Numerics (math §3.3): ``exp(G_r - G_j)`` is never split over a span that can grow (K3's gate takes a
+chunk ~320 nats down, and ``exp`` overflows fp32 past 88.7). A pair ``r > j`` belongs to exactly one
+level ``s`` (32, 16, 8, 4, 2, 1) of a binary tree of row blocks: ``r`` in a right block
+``[p, p + s)``, ``j`` in its left sibling ``[p - s, p)``. There the decay factors through the right
+block's *first* row ``p``: ``exp(G_r - G_p) exp(G_p - G_j)``, both factors ``<= 1`` for any gate
+magnitude. Each row ``x`` has one anchor per level, ``p(x) = (x & ~(2s - 1)) + s``, and one factor
+``E[x] = exp(-|G_x - G_p(x)|)`` serves both sides (right-block rows take ``exp(G_x - G_p)``,
+left-block rows ``exp(G_p - G_x)``). Per level, one WGMMA ``(a E) (b E)^T`` (bf16 operands, fp32
+accumulation) over all 64 x 64 pairs, kept only where ``(r, j)`` are siblings at that level. The
+diagonal ``r = j`` has no decay: ``sum_c a_rc b_rc`` in fp32.
 
 Backward: with ``da[r] = sum_j dS[r, j] b[j] exp(G_r - G_j)`` and
 ``db[j] = sum_r dS[r, j] a[r] exp(G_r - G_j)`` (same anchored levels: ``E (dS_s (b E))`` and

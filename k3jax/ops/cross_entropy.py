@@ -1,6 +1,6 @@
 """Cross-entropy per token of fp32 logits against integer targets, with a one-pass backward.
 
-``nats[b, t] = logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]`` (math: the training loss),
+``nats[b, t] = logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]`` (math §2, the training loss),
 what ``optax.softmax_cross_entropy_with_integer_labels`` computes, and its gradient
 ``(softmax(logits) - onehot(targets)) * g``. Autodiff of the usual form puts the target's ``-g``
 into the softmax's cotangent with a scatter; on a GPU that splits the backward into three passes

@@ -10,7 +10,7 @@ For one chunk with incoming state ``S`` (rows ``r = 1..C``, ``G = cumsum(g)`` in
     Vt = U - W S,   O = (exp(G) * Q) S + A_qk Vt
     S <- exp(G_C) * S + (exp(G_C - G) * K)^T Vt
 
-Numerics (PITFALLS, "KDA"). A chunk of strong decays reaches ``G ~ -320`` nats, so ``exp(-G_j)``
+Numerics (math §3.3). A chunk of strong decays reaches ``G ~ -320`` nats, so ``exp(-G_j)``
 overflows fp32 and is never formed. Relative decays ``exp(G_r - G_j)`` are built per 16-row
 sub-block: pairs in different sub-blocks are factorised at the row block's first row ``a``,
 ``exp(G_r - G_a) * exp(G_a - G_j)`` with both exponents ``<= 0``; pairs inside one sub-block are
