@@ -277,7 +277,7 @@ def inter_block(completed: jax.Array, w: jax.Array, g: jax.Array,
     """
     v = completed.astype(_F32)
     r = _inv_rms(v, eps)                                                   # shared by the queries
-    u = w.astype(_F32) * g.astype(_F32)                                    # [S, d]
+    u = _query(w, g)                                                       # [S, d]
     s = r[None] * jnp.einsum("nbtd,sd->snbt", v, u, precision=_PREC)       # [S, n, B, T]
     m = jnp.max(s, axis=1)
     p = jnp.exp(s - m[:, None])

@@ -61,6 +61,7 @@ from k3jax.ops.moe_dispatch import (
     ExpertWeights,
     GLUSpec,
     check_dispatch_args,
+    combine_slots,
     experts_on_slots,
     ragged_dispatch,
 )
@@ -126,9 +127,8 @@ def _sort_slots(expert_ids: jax.Array, e_local: int, e_shards: int):
 
 def _combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
     """Slot outputs in sorted order -> per-token weighted sum in fp32: ``[S, D]`` -> ``[n, D]``."""
-    n, k = weights.shape
     y = jnp.zeros(y_sorted.shape, F32).at[order].set(y_sorted.astype(F32), unique_indices=True)
-    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, -1), weights.astype(F32))
+    return combine_slots(y, weights)
 
 
 def _axis(axes: tuple[str, ...]):
@@ -160,7 +160,7 @@ def _all_to_all_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gm
 
 
 def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
-    n, k = ids.shape
+    k = ids.shape[1]
     ax = _axis(lay.expert_axes)
     x_all = jax.lax.all_gather(x, ax, axis=0, tiled=True)          # [E_p n, D]
     ids_all = jax.lax.all_gather(ids, ax, axis=0, tiled=True)
@@ -172,8 +172,7 @@ def _ring_body(x, ids, w, experts, *, act, e_local, e_shards, cap, lay, gmm):
                                      out_dtype=x.dtype)
     if lay.mlp_axes:
         y_slots = jax.lax.psum(y_slots, lay.mlp_axes)
-    partial = jnp.einsum("nkd,nk->nd", y_slots.reshape(e_shards * n, k, -1), w_all.astype(F32),
-                         preferred_element_type=F32)
+    partial = combine_slots(y_slots, w_all)
     # Each token's sum over the slots this device ran is fp32; the E_p-way reduce-scatter of those
     # partial sums runs in the compute dtype, half the bytes of fp32 in bf16 (the result is rounded
     # to it anyway; the partials' own rounding is the price).

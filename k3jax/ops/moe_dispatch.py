@@ -179,6 +179,14 @@ def experts_on_slots(x: jax.Array, per_row: int, group_ids: jax.Array, num_group
     return permute_rows(ys.astype(out_dtype), pos, row_slot), jnp.sum(pos < rows)
 
 
+def combine_slots(y_slots: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each token's gate-weighted sum of its slots, in fp32: outputs ``[n k, D]`` in slot order (a
+    token's ``k`` slots consecutive, any float dtype) and ``weights [n, k]`` -> ``[n, D]`` fp32."""
+    n, k = weights.shape
+    return jnp.einsum("nkd,nk->nd", y_slots.reshape(n, k, -1), weights.astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+
+
 def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                     experts: ExpertWeights, act: GLUSpec, impl: str = "ragged_dot") -> jax.Array:
     """Dropless single-device dispatch: lay the ``N*k`` (token, slot) pairs out by expert, run the
@@ -188,11 +196,10 @@ def ragged_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     Experts that receive no token are empty groups (their weights get a zero gradient).
     """
     check_dispatch_args(x, expert_ids, weights, experts)
-    n, k = expert_ids.shape
+    k = expert_ids.shape[1]
     num_experts = experts.w_gate.shape[0]
     y, _ = experts_on_slots(x, k, expert_ids.reshape(-1), num_experts, experts, act, impl)
-    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, -1),
-                      weights.astype(jnp.float32)).astype(x.dtype)
+    return combine_slots(y, weights).astype(x.dtype)
 
 
 def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -213,5 +220,6 @@ def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 
 
-__all__ = ["ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args", "dense_dispatch",
+__all__ = ["ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args", "combine_slots",
+           "dense_dispatch",
            "expert_ffn", "experts_on_slots", "group_rows", "permute_rows", "ragged_dispatch"]
