@@ -38,7 +38,9 @@ def _check_activation(activation: str) -> None:
 
 def glu(gate: jax.Array, up: jax.Array, activation: str, beta_gate: float = 4.0,
         beta_up: float = 25.0) -> jax.Array:
-    """The gated activation named by a config (``"swiglu"`` or ``"situ_glu"``)."""
+    """The gated activation named by a config (``"swiglu"`` or ``"situ_glu"``): ``gate``, ``up``
+    ``[..., m]`` -> ``[..., m]`` in ``gate``'s dtype, computed in fp32. ``beta_gate``, ``beta_up``:
+    SiTU-GLU's soft caps (unused by SwiGLU)."""
     _check_activation(activation)
     if activation == "swiglu":
         return swiglu(gate, up)

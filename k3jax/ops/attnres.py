@@ -315,9 +315,12 @@ def _check_driver(sublayers, queries, norms) -> None:
 
 def attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
                       norms: jax.Array, block: int, eps: float) -> jax.Array:
-    """math §5's Block AttnRes bookkeeping as written there; returns the input of the final norm.
+    """math §5's Block AttnRes bookkeeping as written there; returns the input of the final norm,
+    ``[B, T, d]``.
 
-    ``queries``/``norms [L + 1, d]``: one per sub-layer, the last for the final aggregation.
+    ``embedding [B, T, d]``; ``sublayers``: ``L`` functions ``[B, T, d] -> [B, T, d]``, each
+    given its read; ``queries``/``norms [L + 1, d]``: one per sub-layer, the last for the final
+    aggregation; ``block``: sub-layers per block.
     """
     _check_driver(sublayers, queries, norms)
     partial, blocks = embedding, []
@@ -334,7 +337,11 @@ def attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queri
 
 def full_attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
                            norms: jax.Array, eps: float) -> jax.Array:
-    """Full AttnRes without block bookkeeping: every sub-layer output is its own source."""
+    """Full AttnRes without block bookkeeping: every sub-layer output is its own source.
+
+    Arguments and result as :func:`attnres_reference` (``embedding [B, T, d]``, ``queries``/
+    ``norms [L + 1, d]``; returns ``[B, T, d]``), without ``block``.
+    """
     _check_driver(sublayers, queries, norms)
     sources = [embedding]
     for j, f in enumerate(sublayers):
@@ -345,7 +352,8 @@ def full_attnres_reference(embedding: jax.Array, sublayers: Sequence[SubLayer], 
 def attnres_two_phase(embedding: jax.Array, sublayers: Sequence[SubLayer], queries: jax.Array,
                       norms: jax.Array, block: int, eps: float) -> jax.Array:
     """Block AttnRes computed block by block in the two-phase form; equals
-    :func:`attnres_reference`.
+    :func:`attnres_reference`, whose arguments it takes (``embedding [B, T, d]``, ``L``
+    sub-layers, ``queries``/``norms [L + 1, d]``) and whose ``[B, T, d]`` result it returns.
 
     Sub-layer ``j = cS + t`` of block ``c`` reads the completed sources (embedding and blocks
     ``< c``, plus, for ``t = 0``, the block that just closed) merged, for ``t >= 1``, with the

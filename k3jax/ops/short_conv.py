@@ -158,7 +158,9 @@ def _launcher(name: str):
 
 def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int | None = None
                    ) -> tuple[jax.Array, jax.Array]:
-    """One decode token of :func:`conv_silu`: ``(activation [B, C] in x.dtype, new_state)``."""
+    """One decode token of :func:`conv_silu`: ``x [B, C]``, taps ``w [W, C]``, ``state
+    [B, W-1, C]`` (the last ``W-1`` inputs, oldest first) -> ``(activation [B, C] in x.dtype,
+    new_state [B, W-1, C] in x.dtype)``; ``head_dim`` as in :func:`conv_silu`."""
     _check_formula_args("conv_silu_step", x, w, state, head_dim)
     y, new_state = _step32(x, w, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
