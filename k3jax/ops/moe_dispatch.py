@@ -221,5 +221,5 @@ def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
 
 
 __all__ = ["ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args", "combine_slots",
-           "dense_dispatch",
-           "expert_ffn", "experts_on_slots", "group_rows", "permute_rows", "ragged_dispatch"]
+           "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows", "permute_rows",
+           "ragged_dispatch"]
