@@ -141,8 +141,10 @@ def bf16_rounded(x):
 def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str):
     """Random KDA inputs on the bf16 grid: ``((q, k, v, g, beta, h0), d_out, d_final_state)``.
 
-    q, k are L2-normalised; ``gate`` is ``"lower_bound"`` (K3, -5) or ``"softplus"`` (strong enough
-    that decays pass 88 nats within a chunk).
+    q, k are L2-normalised; ``gate`` is ``"lower_bound"`` (K3, -5), ``"softplus"`` (strong enough
+    that decays pass 88 nats within a chunk) or ``"weak"`` (a lower bound of -0.05: a chunk of 64
+    tokens decays by about 1.6 nats, so the state carried from chunk to chunk and the initial
+    state weigh in the outputs and their gradients, where the others' chunks forget it entirely).
     """
     import jax
     import jax.numpy as jnp
@@ -153,8 +155,9 @@ def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str
     k = bf16_rounded(unit(jax.random.normal(ks[1], (b, t, h, dk))))
     v = bf16_rounded(jax.random.normal(ks[2], (b, t, h, dv)))
     f = jax.random.normal(ks[3], (b, t, h, dk))
-    g = (-5.0 * jax.nn.sigmoid(f) if gate == "lower_bound"
-         else -jnp.exp(1.5) * jax.nn.softplus(2.0 * f))
+    g = {"lower_bound": lambda: -5.0 * jax.nn.sigmoid(f),
+         "weak": lambda: -0.05 * jax.nn.sigmoid(f),
+         "softplus": lambda: -jnp.exp(1.5) * jax.nn.softplus(2.0 * f)}[gate]()
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
     h0 = jax.random.normal(ks[5], (b, h, dk, dv))
     do = jax.random.normal(ks[6], (b, t, h, dv))

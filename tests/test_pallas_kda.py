@@ -302,8 +302,9 @@ def test_prepare_kernels_match_their_reference():
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True)],
-                         ids=["lower_bound", "softplus-segments"])
+@pytest.mark.parametrize("gate,segments", [("lower_bound", False), ("softplus", True),
+                                           ("weak", False)],
+                         ids=["lower_bound", "softplus-segments", "weak"])
 def test_kda_pallas_values_and_gradients(gate, segments):
     """End to end (padding T=90 to 128, initial and final state): values and all six gradients."""
     args, do, dfin = _bf16_case(2, 1, 90, 1, 64, 64, gate)
