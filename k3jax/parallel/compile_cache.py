@@ -104,7 +104,7 @@ def pack(cache: str | Path, tables: str | Path = SHIPPED, device: str | None = N
                    **{p.name: base64.b64encode(p.read_bytes()).decode()
                       for p in folder.iterdir() if p.is_file()}}
         record = {"subdirectory": folder.name, "device": device or old.get("device"),
-                  "versions": _versions(), "results": dict(sorted(results.items()))}
+                  "versions": _jax_versions(), "results": dict(sorted(results.items()))}
         Path(tables).mkdir(parents=True, exist_ok=True)
         written.append(write_atomically(table, json.dumps(record, indent=0) + "\n"))
     return written
@@ -118,7 +118,7 @@ def _device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def _versions() -> dict[str, str]:
+def _jax_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     return {name: md.version(name) for name in ("jax", "jaxlib")}

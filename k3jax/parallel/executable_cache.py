@@ -58,7 +58,7 @@ def _package_roots() -> list[Path]:
     return roots
 
 
-def _versions() -> dict[str, str]:
+def _library_versions() -> dict[str, str]:
     versions = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
@@ -73,7 +73,7 @@ def environment() -> dict:
     backend = jax.devices()[0].client
     return {
         "sources": source_digest(_package_roots()),
-        "versions": _versions(),
+        "versions": _library_versions(),
         "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
                     if not k.startswith(IGNORED_OPTIONS)},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
