@@ -78,12 +78,43 @@ def test_greedy_text_streams_and_is_the_forward_arg_max(workdir, capsys):
     assert "checkpoint step 3" in err
     prompt = list(PROMPT.encode())  # the byte tokenizer: one token per byte
     new = generate(cfg.model, variables, [prompt], 5, SamplingConfig(temperature=0.0))[0]
-    # an untrained model emits arbitrary bytes: the stream shows the valid UTF-8 among them
-    assert out == PROMPT + bytes(new).decode("utf-8", errors="ignore") + "\n"
+    # an untrained model emits arbitrary bytes: the stream shows them as a batch prints them
+    assert out == PROMPT + bytes(new).decode("utf-8", errors="replace") + "\n"
     logits = forward_logits(cfg.model, variables, np.asarray([prompt + new], np.int32))
     n = len(prompt)
     np.testing.assert_array_equal(np.argmax(logits[0, n - 1:-1], -1), new)  # teacher forcing
     assert len(new) == 5
+
+
+def _streamed(tok, ids, capsys) -> list[str]:
+    """What a stream prints after each token, then at the end."""
+    from k3jax.generate.__main__ import _Stream
+
+    stream, pieces = _Stream(tok), []
+    for i in ids:
+        stream(np.asarray([i]), np.asarray([True]))
+        pieces.append(capsys.readouterr().out)
+    stream.finish()
+    return pieces + [capsys.readouterr().out]
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_a_stream_holds_back_characters_until_their_bytes_are_complete(kind, capsys):
+    from k3jax.data import BPETokenizer, ByteTokenizer
+
+    tok = (ByteTokenizer() if kind == "byte"
+           else BPETokenizer.train([b"hello world, hello there"] * 20, 260))
+    ids = tok.encode("hé€".encode())
+    assert len(ids) == 6  # one token per byte: both characters arrive split
+    pieces = _streamed(tok, ids, capsys)
+    assert "".join(pieces) == "hé€" and pieces[:3] == ["h", "", "é"]
+
+
+def test_a_stream_ending_inside_a_character_shows_it_replaced(capsys):
+    from k3jax.data import ByteTokenizer
+
+    pieces = _streamed(ByteTokenizer(), list(b"a\xe2\x82"), capsys)
+    assert pieces == ["a", "", "", "\ufffd"]  # as a batch prints the same tokens
 
 
 def test_a_batch_of_prompts_from_a_file(workdir, capsys, tmp_path):

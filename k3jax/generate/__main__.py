@@ -16,6 +16,8 @@ from pathlib import Path
 
 from k3jax.config.base import ConfigError
 
+REPLACEMENT = "\ufffd"  # what a decode puts for bytes that are not (yet) a whole character
+
 
 def run_tokenizer(cfg, workdir: Path, override: str | None):
     """The tokenizer the run trained with (or the one in ``override``), checked against it."""
@@ -104,12 +106,19 @@ def _generate(args) -> int:
         for prompt, new in zip(prompts, out):
             print(prompt + tok.decode(new).decode("utf-8", errors="replace"))
     else:
+        stream.finish()
         print(flush=True)
     return 0
 
 
 class _Stream:
-    """Prints one row's text as tokens arrive (bytes held until they form whole characters)."""
+    """Prints one row's text as tokens arrive.
+
+    The text shown is the decode of every token so far. Both tokenizers' decodes end a UTF-8
+    sequence whose bytes are still arriving with one U+FFFD, so a trailing one is held back until a
+    later token completes the character or :meth:`finish` shows it: the printed text is then
+    exactly the decode of the whole row, as a batch prints it.
+    """
 
     def __init__(self, tok):
         self.tok, self.ids, self.shown = tok, [], 0
@@ -118,9 +127,17 @@ class _Stream:
         if not active[0]:
             return
         self.ids.append(int(tokens[0]))
-        text = self.tok.decode(self.ids).decode("utf-8", errors="ignore")
+        self._show(self._text().removesuffix(REPLACEMENT))
+
+    def finish(self) -> None:
+        self._show(self._text())
+
+    def _text(self) -> str:
+        return self.tok.decode(self.ids).decode("utf-8", errors="replace")
+
+    def _show(self, text: str) -> None:
         print(text[self.shown:], end="", flush=True)
-        self.shown = len(text)
+        self.shown = max(self.shown, len(text))
 
 
 if __name__ == "__main__":
