@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,13 +17,15 @@ PROMPT = "def f(x):"
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A run directory as training leaves it: config.json, a byte corpus and one checkpoint."""
+    """A run directory as training leaves it: config.json (recording its byte corpus) and one
+    checkpoint."""
     import jax
 
     from configs.k3_tiny import get_config
-    from k3jax.data import build_corpus
+    from k3jax.data import build_corpus, make_data
     from k3jax.model import init_variables, logical_axes
     from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.loop import _recorded_config
     from k3jax.train.optim import build_optimizer
     from k3jax.train.step import init_state
 
@@ -41,7 +44,7 @@ def workdir(tmp_path_factory):
                                  batch_size=2))
     run = root / "run"
     run.mkdir()
-    config = cfg.to_dict()
+    config = _recorded_config(cfg, make_data(cfg.data, 256, run, 1, log=lambda m: None))
     (run / "config.json").write_text(json.dumps(config, indent=1))
     v = jax.jit(init_variables, static_argnums=(0, 2))(
         cfg.model, jax.random.PRNGKey(cfg.train.seed), (2, cfg.data.seq_len))
@@ -143,3 +146,42 @@ def test_clear_errors(workdir, capsys, tmp_path):
     rc, _, err = _main(capsys, "--workdir", str(run), "--prompt", "a", "--tokenizer",
                        str(tmp_path))
     assert rc == 2 and "tokenizer mismatch" in err and "'bpe'" in err
+
+
+def _workdir_with(run, directory, change) -> str:
+    """A copy of ``run`` whose config.json is changed by ``change(config)``."""
+    import shutil
+
+    shutil.copytree(run / "checkpoints", directory / "checkpoints")
+    config = json.loads((run / "config.json").read_text())
+    change(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_the_tokenizer_is_the_recorded_corpus_s_and_nothing_is_built(workdir, capsys, tmp_path):
+    run, _, _ = workdir
+
+    def from_sources(config):  # as a run whose corpus was built into a cache from its sources
+        config["data"].update(data_dir=None, sources=[str(run.parent / "docs")])
+
+    moved = _workdir_with(run, tmp_path / "run", from_sources)
+    rc, out, err = _main(capsys, "--workdir", moved, "--prompt", PROMPT, "--max-new-tokens", "2",
+                         "--temperature", "0")
+    assert rc == 0, err
+    assert not (tmp_path / ".data").exists()  # where a corpus would have been built
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["data"].pop("corpus"), r"no data.corpus .*pass --tokenizer DIR"),
+    (lambda c: c["data"]["corpus"].update(corpus="/nonexistent/corpus"),
+     r"data.corpus of .*no tokenizer saved with this corpus; pass --tokenizer"),
+    (lambda c: c["data"]["corpus"].update(vocab_size=300),
+     r"recorded a byte tokenizer of 300 ids in .*which now holds a byte tokenizer of 256"),
+], ids=["absent", "gone", "changed"])
+def test_a_missing_or_changed_recorded_corpus_is_named(workdir, capsys, tmp_path, change,
+                                                       message):
+    run, _, _ = workdir
+    rc, out, err = _main(capsys, "--workdir", _workdir_with(run, tmp_path, change), "--prompt", "a")
+    assert rc == 2 and re.search(message, err), err
+    assert out == "" and "checkpoint step" not in err  # refused before restoring anything

@@ -3,14 +3,16 @@
     python -m k3jax.generate --workdir runs/tiny --prompt "def main(" --max-new-tokens 64
     python -m k3jax.generate --workdir runs/tiny --prompts-file prompts.txt --temperature 0
 
-The run's ``config.json`` gives the model and the data; the tokenizer is the one saved with the
-run's corpus (``--tokenizer DIR`` names another directory holding a ``tokenizer.json``). One prompt
-streams its text as it is generated; a file holds one prompt per line, generated as one batch.
+The run's ``config.json`` gives the model and the corpus it trained on (``data.corpus``), whose
+saved tokenizer is used (``--tokenizer DIR`` names another directory holding a ``tokenizer.json``).
+One prompt streams its text as it is generated; a file holds one prompt per line, generated as one
+batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,24 +21,51 @@ from k3jax.config.base import ConfigError
 REPLACEMENT = "\ufffd"  # what a decode puts for bytes that are not (yet) a whole character
 
 
-def run_tokenizer(cfg, workdir: Path, override: str | None):
-    """The tokenizer the run trained with (or the one in ``override``), checked against it."""
-    from k3jax.data import load_tokenizer, make_data
+def recorded_config(workdir: Path) -> dict:
+    """The run's ``config.json`` as training recorded it (with ``data.corpus``, the corpus it
+    trained on, which the resolved config dataclass does not keep)."""
+    path = workdir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
+    return json.loads(path.read_text())
 
-    if override is None:
-        if cfg.data.task != "corpus":
-            raise FileNotFoundError(f"{workdir}: the run trained on the synthetic task "
-                                    f"{cfg.data.task!r}, which has no tokenizer; pass --tokenizer")
-        corpus = make_data(cfg.data, cfg.model.vocab_size, workdir, 1, log=lambda m: None)
-        tok = load_tokenizer(corpus.corpus_path)
-    else:
+
+def run_tokenizer(config: dict, workdir: Path, override: str | None):
+    """The tokenizer saved with the corpus the run trained on (``data.corpus`` of its recorded
+    ``config``), or the one in ``override``; checked against the run's data and model.
+
+    Never builds anything: a corpus rebuilt from the config could hold a newly trained BPE.
+    """
+    from k3jax.data import load_tokenizer
+
+    data, vocab = config["data"], config["model"]["vocab_size"]
+    task = data.get("task", "corpus")
+    if override is not None:
         tok = load_tokenizer(Path(override))
-    if cfg.data.task == "corpus" and tok.kind != cfg.data.tokenizer:
+    elif task != "corpus":
+        raise FileNotFoundError(f"{workdir}: the run trained on the synthetic task {task!r}, "
+                                "which has no tokenizer; pass --tokenizer")
+    else:
+        corpus = data.get("corpus")
+        if not corpus:
+            raise FileNotFoundError(f"{workdir / 'config.json'}: no data.corpus (the corpus the "
+                                    "run trained on); pass --tokenizer DIR, the directory of that "
+                                    "corpus")
+        try:
+            tok = load_tokenizer(Path(corpus["corpus"]))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"data.corpus of {workdir / 'config.json'}: {e}; pass "
+                                    "--tokenizer DIR for a copy of it") from None
+        if (tok.kind, tok.vocab_size) != (corpus["kind"], corpus["vocab_size"]):
+            raise ConfigError(f"tokenizer mismatch: the run recorded a {corpus['kind']} tokenizer "
+                              f"of {corpus['vocab_size']} ids in {corpus['corpus']}, which now "
+                              f"holds a {tok.kind} tokenizer of {tok.vocab_size}")
+    if task == "corpus" and tok.kind != data["tokenizer"]:
         raise ConfigError(f"tokenizer mismatch: the run trained with data.tokenizer="
-                          f"{cfg.data.tokenizer!r}, the tokenizer found is {tok.kind!r}")
-    if tok.vocab_size > cfg.model.vocab_size:
+                          f"{data['tokenizer']!r}, the tokenizer found is {tok.kind!r}")
+    if tok.vocab_size > vocab:
         raise ConfigError(f"tokenizer mismatch: {tok.vocab_size} token ids, the model has "
-                          f"vocab_size={cfg.model.vocab_size}")
+                          f"vocab_size={vocab}")
     return tok
 
 
@@ -82,8 +111,7 @@ def _generate(args) -> int:
             raise ValueError(f"--prompts-file {args.prompts_file}: no prompt in it")
     else:
         prompts = [args.prompt]
-    cfg, state, meta = restore_workdir(workdir, log=lambda m: print(m, file=sys.stderr))
-    tok = run_tokenizer(cfg, workdir, args.tokenizer)
+    tok = run_tokenizer(recorded_config(workdir), workdir, args.tokenizer)
     stops = []
     for text in args.stop:
         ids = tok.encode(text.encode())
@@ -95,6 +123,7 @@ def _generate(args) -> int:
     encoded = [[int(t) for t in tok.encode(p.encode())] for p in prompts]
     if any(not e for e in encoded):
         raise ValueError("a prompt encodes to no token")
+    cfg, state, meta = restore_workdir(workdir, log=lambda m: print(m, file=sys.stderr))
     variables = {"params": state["params"], "balance": state["balance"]}
     print(f"[generate] checkpoint step {int(meta['step'])} of {workdir}", file=sys.stderr)
     stream = _Stream(tok) if len(prompts) == 1 else None
