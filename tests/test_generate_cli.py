@@ -130,6 +130,19 @@ def test_a_batch_of_prompts_from_a_file(workdir, capsys, tmp_path):
     assert lines[0].startswith("ab") and any(line.startswith("xyz1") for line in lines)
 
 
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--temperature", "-1", "expected >= 0"), ("--temperature", "nan", "expected >= 0"),
+    ("--top-k", "-2", "expected >= 0"), ("--top-p", "0", r"expected in \(0, 1\]"),
+    ("--top-p", "1.5", r"expected in \(0, 1\]"), ("--repetition-penalty", "0", "expected > 0"),
+    ("--max-new-tokens", "0", "expected >= 1"), ("--max-len", "-4", "expected >= 1"),
+])
+def test_bad_flags_are_named_before_anything_is_read(capsys, tmp_path, flag, value, expected):
+    rc, out, err = _main(capsys, "--workdir", str(tmp_path / "absent"), "--prompt", "a",
+                         flag, value)
+    assert rc == 2 and out == ""
+    assert re.fullmatch(rf"error: {flag}=\S+ is invalid: {expected}.*\n", err), err
+
+
 def test_clear_errors(workdir, capsys, tmp_path):
     run, _, _ = workdir
     empty = tmp_path / "empty"
@@ -139,7 +152,8 @@ def test_clear_errors(workdir, capsys, tmp_path):
     assert rc == 2 and "no checkpoint in this workdir" in err
     rc, _, err = _main(capsys, "--workdir", str(run), "--prompt", "a" * 20, "--max-len", "8",
                        "--max-new-tokens", "2")
-    assert rc == 2 and "needs a cache of 21 tokens; max_len=8" in err
+    assert rc == 2 and "needs a cache of 21 tokens; --max-len=8" in err
+    assert "checkpoint step" not in err  # refused before the checkpoint is restored
     from k3jax.data import BPETokenizer
 
     BPETokenizer.train([b"hello world, hello there"] * 20, 260).save(tmp_path)

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-len", type=int, default=None,
-                   help="cache length in tokens (default: longest prompt + max-new-tokens)")
+                   help="cache length in tokens (default: longest prompt + max-new-tokens - 1, "
+                        "the last new token is never fed back)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -90,9 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The numeric flags against what they allow (the sampling ones by SamplingConfig's rules),
+    before any file is read: a ConfigError naming the flag."""
+    from k3jax.generate.sampling import RULES
+
+    rules = {**RULES, "max_new_tokens": (lambda v: v >= 1, "expected >= 1"),
+             "max_len": (lambda v: v is None or v >= 1, "expected >= 1")}
+    for name, (allowed, expected) in rules.items():
+        value = getattr(args, name)
+        if not allowed(value):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r} is invalid: {expected}")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_flags(args)
         return _generate(args)
     except (FileNotFoundError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -101,7 +116,7 @@ def main(argv=None) -> int:
 
 def _generate(args) -> int:
     from k3jax.evaluate import restore_workdir
-    from k3jax.generate.loop import generate
+    from k3jax.generate.loop import cache_length, generate
     from k3jax.generate.sampling import SamplingConfig
 
     workdir = Path(args.workdir)
@@ -123,6 +138,7 @@ def _generate(args) -> int:
     encoded = [[int(t) for t in tok.encode(p.encode())] for p in prompts]
     if any(not e for e in encoded):
         raise ValueError("a prompt encodes to no token")
+    max_len = cache_length(max(map(len, encoded)), args.max_new_tokens, args.max_len, "--max-len")
     cfg, state, meta = restore_workdir(workdir, log=lambda m: print(m, file=sys.stderr))
     variables = {"params": state["params"], "balance": state["balance"]}
     print(f"[generate] checkpoint step {int(meta['step'])} of {workdir}", file=sys.stderr)
@@ -130,7 +146,7 @@ def _generate(args) -> int:
     if stream is not None:
         print(prompts[0], end="", flush=True)
     out = generate(cfg.model, variables, encoded, args.max_new_tokens, sampling,
-                   max_len=args.max_len, on_tokens=None if stream is None else stream)
+                   max_len=max_len, on_tokens=None if stream is None else stream)
     if stream is None:
         for prompt, new in zip(prompts, out):
             print(prompt + tok.decode(new).decode("utf-8", errors="replace"))

@@ -33,27 +33,37 @@ def _seen(prompts, vocab: int) -> jax.Array:
     return jnp.asarray(seen)
 
 
+def cache_length(prompt_len: int, max_new_tokens: int, max_len: int | None = None,
+                 arg: str = "max_len") -> int:
+    """The cache length for a (longest) prompt of ``prompt_len`` tokens and ``max_new_tokens``
+    new ones: ``max_len``, or by default ``prompt_len + max_new_tokens - 1`` (the last sampled
+    token is never fed back). A ValueError when ``max_new_tokens < 1`` or ``max_len`` (called
+    ``arg`` in the message) is too short."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: expected >= 1")
+    need = prompt_len + max_new_tokens - 1
+    if max_len is not None and max_len < need:
+        raise ValueError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones needs "
+                         f"a cache of {need} tokens; {arg}={max_len}")
+    return need if max_len is None else max_len
+
+
 def generate(cfg: ModelConfig, variables: dict, prompts: list[list[int]], max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None,
              on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
              chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
     """Up to ``max_new_tokens`` new tokens per prompt (a row ends after emitting a stop token).
 
-    ``max_len`` sizes the cache (default: longest prompt + ``max_new_tokens``). ``on_tokens(tokens
+    ``max_len`` sizes the cache (default: longest prompt + ``max_new_tokens`` - 1, see
+    :func:`cache_length`). ``on_tokens(tokens
     [B], active [B])`` is called after every step with the new tokens and which rows were still
     generating them, so a caller can stream text. Returns each row's new tokens (stop token
     included when one ended it).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
     tokens, segments = left_pad(prompts)
     if int(tokens.max()) >= cfg.vocab_size or int(tokens.min()) < 0:
         raise ValueError(f"generate: prompt token ids must lie in [0, vocab_size={cfg.vocab_size})")
-    need = tokens.shape[1] + max_new_tokens - 1  # the last sampled token is never fed back
-    max_len = need if max_len is None else max_len
-    if need > max_len:
-        raise ValueError(f"generate: a prompt of {tokens.shape[1]} tokens plus {max_new_tokens} "
-                         f"new ones needs a cache of {need} tokens; max_len={max_len}")
+    max_len = cache_length(tokens.shape[1], max_new_tokens, max_len)
     cache = init_cache(cfg, len(prompts), max_len)
     logits, cache = prefill(cfg, variables, tokens, cache, segments, chunk=chunk)
     draw, key = _sampler(sampling), jax.random.key(sampling.seed)
@@ -76,4 +86,4 @@ def generate(cfg: ModelConfig, variables: dict, prompts: list[list[int]], max_ne
     return out
 
 
-__all__ = ["generate"]
+__all__ = ["cache_length", "generate"]

@@ -28,15 +28,21 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            fail(self, "temperature", self.temperature, "expected >= 0 (0: greedy)")
-        if self.top_k < 0:
-            fail(self, "top_k", self.top_k, "expected >= 0 (0: no limit)")
-        if not 0 < self.top_p <= 1:
-            fail(self, "top_p", self.top_p, "expected in (0, 1]")
-        if not self.repetition_penalty > 0:
-            fail(self, "repetition_penalty", self.repetition_penalty, "expected > 0")
+        for name, (allowed, expected) in RULES.items():
+            value = getattr(self, name)
+            if not allowed(value):
+                fail(self, name, value, expected)
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+# field -> (whether a value is allowed, what is expected); the command line checks its flags with
+# them too. Written as "not below", not "above": a NaN is refused.
+RULES = {
+    "temperature": (lambda v: v >= 0, "expected >= 0 (0: greedy)"),
+    "top_k": (lambda v: v >= 0, "expected >= 0 (0: no limit)"),
+    "top_p": (lambda v: 0 < v <= 1, "expected in (0, 1]"),
+    "repetition_penalty": (lambda v: v > 0, "expected > 0"),
+}
 
 
 def repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
@@ -82,4 +88,5 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-__all__ = ["SamplingConfig", "repetition_penalty", "sample", "top_k_filter", "top_p_filter"]
+__all__ = ["RULES", "SamplingConfig", "repetition_penalty", "sample", "top_k_filter",
+           "top_p_filter"]
