@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -100,13 +101,43 @@ def test_missing_unknown_and_misshaped_tensors_are_named(tmp_path):
     assert "mis-shaped 1 tensor(s): model.norm.weight: (7,), expected (64,)" in msg
 
 
-def test_a_log_padding_must_be_zero(tmp_path):
+def test_mistyped_tensors_are_named_from_the_headers(tmp_path, monkeypatch):
+    from k3jax.convert.files import HFDirectory
+
+    tensors = _tensors()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+    expert = "model.layers.1.block_sparse_moe.experts.0.w1"
+    out, inp = tensors.pop(f"{expert}.weight").shape
+    tensors[f"{expert}.weight_packed"] = np.zeros((out, inp // 2), np.float32)
+    tensors[f"{expert}.weight_scale"] = np.full((out, inp // mxfp4.GROUP), 127, np.uint8)
+    directory = _write(tmp_path / "typed", tensors)
+
+    def no_data(*args):
+        raise AssertionError("tensor data read before the headers were checked")
+
+    monkeypatch.setattr(HFDirectory, "read", no_data)
+    monkeypatch.setattr(HFDirectory, "iter_shard", no_data)
+    with pytest.raises(ConversionError) as err:
+        _load(directory)
+    msg = str(err.value)
+    assert "mis-typed 2 tensor(s)" in msg and "model.norm.weight: I32, expected one of F16" in msg
+    assert f"{expert}.weight_packed: F32, expected U8" in msg
+
+
+def test_a_log_padding_must_be_zero(tmp_path, capsys):
+    from k3jax.convert.__main__ import main
+
     tensors = _tensors()
     name = "model.layers.0.self_attn.A_log"
     tensors[name] = np.concatenate([tensors[name].reshape(-1), np.array([0.0, 0.5], np.float32)])
-    with pytest.raises(ValueError, match=r"A_log: expected 2 head values then zero padding.*1 "
-                                         "non-zero"):
-        _load(_write(tmp_path / "pad", tensors))
+    directory = _write(tmp_path / "pad", tensors)
+    message = r"A_log: expected 2 head values then zero padding.*1 non-zero"
+    with pytest.raises(ConversionError, match=message):
+        _load(directory)
+    capsys.readouterr()
+    assert main(["from-hf", str(directory), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert re.match("error: .*" + message, err[-1]), err
 
 
 # -- config ----------------------------------------------------------------------------------------

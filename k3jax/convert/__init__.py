@@ -5,9 +5,10 @@ library functions are :func:`import_hf`, :func:`load_variables`, :func:`export_h
 mapping :func:`config_from_hf` / :func:`config_to_hf`.
 """
 
+from k3jax.convert.errors import ConversionError
 from k3jax.convert.exporter import export_hf, export_variables
 from k3jax.convert.hf_config import config_from_hf, config_to_hf
-from k3jax.convert.importer import ConversionError, import_hf, load_variables, read_config
+from k3jax.convert.importer import import_hf, load_variables, read_config
 
 __all__ = ["ConversionError", "config_from_hf", "config_to_hf", "export_hf", "export_variables",
            "import_hf", "load_variables", "read_config"]

@@ -22,16 +22,15 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
+from k3jax.convert.errors import ConversionError
 from k3jax.convert.exporter import HF_CONFIG
 from k3jax.convert.files import HFDirectory
 from k3jax.convert.hf_config import config_from_hf
 from k3jax.convert.names import IGNORED_PREFIXES, Entry, canonical, layer_places, place, tensor_map
 
 PACKED, SCALE = ".weight_packed", ".weight_scale"
-
-
-class ConversionError(ValueError):
-    """Tensors that do not fit the model: names them, with the expected and found shapes."""
+# safetensors dtypes a plain tensor may have: it is cast to the variable's dtype when read
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def read_config(hf_dir: str | Path) -> tuple[ModelConfig, str]:
@@ -44,10 +43,11 @@ def read_config(hf_dir: str | Path) -> tuple[ModelConfig, str]:
 def match_tensors(files: HFDirectory, entries: list[Entry], layout: str) -> dict[str, tuple]:
     """``entry name -> ("plain", file name)`` or ``("mxfp4", packed name, scale name)``.
 
-    Raises :class:`ConversionError` listing every missing, unknown and mis-shaped tensor.
+    Raises :class:`ConversionError` listing every missing, unknown, mis-shaped and mis-typed
+    tensor (from the headers: no data is read).
     """
     want = {e.name: e for e in entries}
-    sources, unknown, bad = {}, [], []
+    sources, unknown, bad, typed = {}, [], [], []
     for name in sorted(files.shapes):
         if name.startswith(IGNORED_PREFIXES[layout]):
             continue
@@ -63,6 +63,9 @@ def match_tensors(files: HFDirectory, entries: list[Entry], layout: str) -> dict
             sources[key] = ("plain", name)
             if not _shape_ok(e, files.shapes[name]):
                 bad.append(f"{name}: {files.shapes[name]}, expected {e.shape}")
+            if files.dtypes[name] not in FLOAT_DTYPES:
+                typed.append(f"{name}: {files.dtypes[name]}, expected one of "
+                             f"{', '.join(FLOAT_DTYPES)}")
             continue
         scale = name[:-len(PACKED)] + SCALE
         sources[key] = ("mxfp4", name, scale)
@@ -70,6 +73,8 @@ def match_tensors(files: HFDirectory, entries: list[Entry], layout: str) -> dict
         need = {name: (out, inp // 2), scale: (out, inp // mxfp4.GROUP)}
         bad += [f"{n}: {files.shapes.get(n, 'absent')}, expected {s} (MXFP4 of {e.shape})"
                 for n, s in need.items() if files.shapes.get(n) != s]
+        typed += [f"{n}: {files.dtypes[n]}, expected U8 (MXFP4 codes and E8M0 scales)"
+                  for n in need if files.dtypes.get(n, "U8") != "U8"]
     missing = [n for n in want if n not in sources]
     problems = []
     if missing:
@@ -78,6 +83,8 @@ def match_tensors(files: HFDirectory, entries: list[Entry], layout: str) -> dict
         problems.append(f"unknown {len(unknown)} tensor(s): {_names(unknown)}")
     if bad:
         problems.append(f"mis-shaped {len(bad)} tensor(s): {_names(bad)}")
+    if typed:
+        problems.append(f"mis-typed {len(typed)} tensor(s): {_names(typed)}")
     if problems:
         raise ConversionError(f"{files.directory} does not match the {layout} model of its "
                               "config.json: " + "; ".join(problems))

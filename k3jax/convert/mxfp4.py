@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k3jax.convert.errors import ConversionError
+
 GROUP = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -27,7 +29,7 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
     """``[..., n / 2]`` uint8 -> ``[..., n]`` fp32 E2M1 values (low nibble first)."""
     if packed.dtype != np.uint8:
-        raise ValueError(f"weight_packed must be uint8; got {packed.dtype}")
+        raise ConversionError(f"weight_packed must be uint8; got {packed.dtype}")
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1)
     return E2M1_VALUES[codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])]
 
@@ -35,7 +37,7 @@ def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
 def e8m0_scales(scale: np.ndarray) -> np.ndarray:
     """uint8 E8M0 exponents -> fp32 scales ``2 ** (e - 127)`` (``e = 255`` is NaN)."""
     if scale.dtype != np.uint8:
-        raise ValueError(f"weight_scale must be uint8 E8M0 exponents; got {scale.dtype}")
+        raise ConversionError(f"weight_scale must be uint8 E8M0 exponents; got {scale.dtype}")
     out = np.ldexp(np.float32(1.0), scale.astype(np.int32) - E8M0_BIAS).astype(np.float32)
     return np.where(scale == E8M0_NAN, np.float32(np.nan), out)
 
@@ -49,9 +51,9 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32, name: st
     n = values.shape[-1]
     want = (*packed.shape[:-1], n // GROUP)
     if n % GROUP or tuple(scale.shape) != want:
-        raise ValueError(f"{name}: weight_scale has shape {tuple(scale.shape)}; a packed weight "
-                         f"{tuple(packed.shape)} ({n} values per row) needs {want} (one scale per "
-                         f"{GROUP} values)")
+        raise ConversionError(f"{name}: weight_scale has shape {tuple(scale.shape)}; a packed "
+                              f"weight {tuple(packed.shape)} ({n} values per row) needs {want} "
+                              f"(one scale per {GROUP} values)")
     grouped = values.reshape(*want, GROUP) * e8m0_scales(scale)[..., None]
     return grouped.reshape(values.shape).astype(dtype)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.convert.errors import ConversionError
 from k3jax.stack import plan_segments
 
 PREFIXES = {"kimi_linear": "", "kimi_k3": "language_model."}
@@ -72,10 +73,11 @@ def _conv(name: str, channels: int, width: int, target: tuple[str, ...]) -> Entr
 
 
 def a_log_to_k3(x: np.ndarray, heads: int, name: str) -> np.ndarray:
-    """``A_log`` stored ``[1, 1, H, 1]``, ``[H]`` or flat with zero padding -> ``[H]``."""
+    """``A_log`` stored ``[1, 1, H, 1]``, ``[H]`` or flat with zero padding -> ``[H]``; padding
+    that is not zero (only the data can tell) is a ConversionError naming ``name``."""
     flat = x.reshape(-1)
     if flat.size < heads or np.any(flat[heads:] != 0):
-        raise ValueError(f"{name}: expected {heads} head values then zero padding; got shape "
+        raise ConversionError(f"{name}: expected {heads} head values then zero padding; got shape "
                          f"{tuple(x.shape)} with {np.count_nonzero(flat[heads:])} non-zero "
                          "padding entries")
     return flat[:heads].copy()
