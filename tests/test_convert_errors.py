@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -138,6 +139,52 @@ def test_a_log_padding_must_be_zero(tmp_path, capsys):
     assert main(["from-hf", str(directory), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert re.match("error: .*" + message, err[-1]), err
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+def test_export_refuses_a_directory_holding_files(tmp_path):
+    from k3jax.convert import export_variables
+    from k3jax.model import abstract_variables
+
+    cfg, _ = config_from_hf(_hf_config())
+    variables = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_variables(cfg))
+    export_variables(variables, cfg, tmp_path, max_shard_bytes=100_000)  # sharded, with an index
+    with pytest.raises(FileExistsError, match=f"--out {tmp_path} is not empty"):
+        export_variables(variables, cfg, tmp_path)
+
+
+def _workdir(directory: Path, model) -> Path:
+    """A workdir's config.json without any checkpoint: what to-hf checks before restoring."""
+    from k3jax.config.experiment import DataConfig, ExperimentConfig
+
+    directory.mkdir()
+    config = ExperimentConfig(model=model, data=DataConfig(task="mqar"))
+    (directory / "config.json").write_text(json.dumps(config.to_dict()))
+    return directory
+
+
+@pytest.mark.parametrize("case, message", [
+    ("attnres", r"residual.kind='attnres'"),
+    ("out", r"--out .* is not empty"),
+    ("shard0", r"--max-shard-gb=0.0 is invalid: expected a positive size in GiB"),
+    ("shard-1", r"--max-shard-gb=-1.0 is invalid"),
+])
+def test_to_hf_refuses_before_restoring(tmp_path, capsys, case, message):
+    from k3jax.convert.__main__ import main
+
+    cfg, _ = config_from_hf(_hf_config())
+    if case == "attnres":
+        cfg = cfg.replace(residual=cfg.residual.__class__(kind="attnres", block_size_layers=1))
+    out = tmp_path / "hf"
+    out.mkdir()
+    if case == "out":
+        (out / "model.safetensors.index.json").write_text("{}")
+    shard = {"shard0": "0", "shard-1": "-1"}.get(case, "5")
+    rc = main(["to-hf", str(_workdir(tmp_path / "run", cfg)), "--out", str(out),
+               "--max-shard-gb", shard])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(message, err), err  # not: no checkpoint in this workdir
 
 
 # -- config ----------------------------------------------------------------------------------------

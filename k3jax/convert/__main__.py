@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     a.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     b = sub.add_parser("to-hf", help="k3jax workdir -> Hugging Face Kimi Linear directory")
     b.add_argument("workdir")
-    b.add_argument("--out", required=True)
+    b.add_argument("--out", required=True, help="a new or empty directory")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     b.add_argument("--max-shard-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
@@ -43,6 +43,9 @@ def main(argv=None) -> int:
             base = load_config(args.config) if args.config else None
             import_hf(args.hf_dir, args.out, base, args.overrides, log=log)
         else:
+            if not args.max_shard_gb > 0:
+                raise ConfigError(f"--max-shard-gb={args.max_shard_gb!r} is invalid: expected a "
+                                  "positive size in GiB")
             export_hf(args.workdir, args.out, args.dtype, int(args.max_shard_gb * 2**30), log=log)
     except (ConfigError, ConversionError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
