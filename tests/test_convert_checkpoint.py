@@ -78,3 +78,14 @@ def test_from_hf_workdir_evaluates_fine_tunes_and_exports(tmp_path):
     original = json.loads((FIXTURE / "config.json").read_text())
     assert [exported[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")] == \
         [original[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")]
+
+
+def test_from_hf_takes_a_preset_by_name(tmp_path):
+    from configs.k3_tiny import get_config
+
+    out = tmp_path / "run"
+    assert convert_main(["from-hf", str(_tiny_hf_dir(tmp_path / "source")), "--out", str(out),
+                         "--config", "k3_tiny"]) == 0
+    cfg, _, _ = restore_workdir(out, log=lambda m: None)
+    preset = get_config()
+    assert (cfg.data, cfg.optim, cfg.train) == (preset.data, preset.optim, preset.train)

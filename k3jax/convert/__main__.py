@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     a = sub.add_parser("from-hf", help="Hugging Face directory -> k3jax workdir")
     a.add_argument("hf_dir")
     a.add_argument("--out", required=True, help="the new workdir")
-    a.add_argument("--config", help="preset (or config.json) giving data, optimiser and mesh")
+    a.add_argument("--config", help="preset name (k3_small), preset file or config.json giving "
+                   "data, optimiser and mesh")
     a.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     b = sub.add_parser("to-hf", help="k3jax workdir -> Hugging Face Kimi Linear directory")
     b.add_argument("workdir")
@@ -38,9 +39,9 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "from-hf":
-            from k3jax.config.experiment import load_config
+            from k3jax.config.experiment import load_config, preset_path
 
-            base = load_config(args.config) if args.config else None
+            base = load_config(preset_path(args.config)) if args.config else None
             import_hf(args.hf_dir, args.out, base, args.overrides, log=log)
         else:
             if not args.max_shard_gb > 0:
