@@ -121,13 +121,21 @@ def test_a_stream_ending_inside_a_character_shows_it_replaced(capsys):
 
 
 def test_a_batch_of_prompts_from_a_file(workdir, capsys, tmp_path):
-    run, _, _ = workdir
-    (tmp_path / "p.txt").write_text("ab\nxyz1\n")
+    from k3jax.generate.loop import generate
+    from k3jax.generate.sampling import SamplingConfig
+
+    run, cfg, variables = workdir
+    prompts = ["ab", "xyz1"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
     rc, out, err = _main(capsys, "--workdir", str(run), "--prompts-file", str(tmp_path / "p.txt"),
                          "--max-new-tokens", "3", "--top-k", "5", "--seed", "1")
     assert rc == 0, err
-    lines = out.splitlines()
-    assert lines[0].startswith("ab") and any(line.startswith("xyz1") for line in lines)
+    # the new bytes may hold line breaks: the whole output is each prompt's text, in order
+    new = generate(cfg.model, variables, [list(p.encode()) for p in prompts], 3,
+                   SamplingConfig(top_k=5, seed=1))
+    assert len(new) == len(prompts)
+    assert out == "".join(p + bytes(n).decode("utf-8", errors="replace") + "\n"
+                          for p, n in zip(prompts, new))
 
 
 @pytest.mark.parametrize("flag, value, expected", [

@@ -144,9 +144,10 @@ def _text_config(f: _Fields, layout: str) -> ModelConfig:
     block = f.get("attn_res_block_size")
     residual = (ResidualConfig() if block is None
                 else ResidualConfig(kind="attnres", block_size_layers=int(block)))
+    every = _mla_every(mla_layers, layers)  # None: an explicit list, and mla_every goes unused
     cfg = ModelConfig(vocab_size=f.need("vocab_size"), d_model=f.need("hidden_size"),
-                      num_layers=layers, mla_every=_mla_every(mla_layers, layers) or 4,
-                      mla_layers=None if _mla_every(mla_layers, layers) else mla_layers,
+                      num_layers=layers, mla_every=every or 4,
+                      mla_layers=None if every else mla_layers,
                       first_k_dense=first_dense, kda=kda, mla=mla,
                       dense_ffn=FFNConfig(intermediate_size=f.need("intermediate_size"), **glu),
                       moe=moe, residual=residual, rms_eps=float(f.get("rms_norm_eps",

@@ -55,7 +55,7 @@ def _nbytes(tree) -> int:
 class Snapshot:
     tokens: np.ndarray  # [p] the whole prefix
     parent: Snapshot | None
-    layers: dict  # per-layer caches; MLA entries hold only this snapshot's span
+    layers: dict  # per-layer caches; MLA entries hold only the span [parent.length, length)
     logits: jax.Array  # [vocab] fp32 of the last token
     nbytes: int
     last_used: int = 0
@@ -64,10 +64,6 @@ class Snapshot:
     @property
     def length(self) -> int:
         return len(self.tokens)
-
-    @property
-    def start(self) -> int:
-        return 0 if self.parent is None else self.parent.length
 
 
 def snapshot_fixed_bytes(cfg: ModelConfig) -> int:
