@@ -195,15 +195,16 @@ def test_the_tokenizer_is_the_recorded_corpus_s_and_nothing_is_built(workdir, ca
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: c["data"].pop("corpus"), r"no data.corpus .*pass --tokenizer DIR"),
-    (lambda c: c["data"]["corpus"].update(corpus="/nonexistent/corpus"),
+    (lambda c, gone: c["data"].pop("corpus"), r"no data.corpus .*pass --tokenizer DIR"),
+    (lambda c, gone: c["data"]["corpus"].update(corpus=str(gone)),
      r"data.corpus of .*no tokenizer saved with this corpus; pass --tokenizer"),
-    (lambda c: c["data"]["corpus"].update(vocab_size=300),
+    (lambda c, gone: c["data"]["corpus"].update(vocab_size=300),
      r"recorded a byte tokenizer of 300 ids in .*which now holds a byte tokenizer of 256"),
 ], ids=["absent", "gone", "changed"])
 def test_a_missing_or_changed_recorded_corpus_is_named(workdir, capsys, tmp_path, change,
                                                        message):
     run, _, _ = workdir
-    rc, out, err = _main(capsys, "--workdir", _workdir_with(run, tmp_path, change), "--prompt", "a")
+    moved = _workdir_with(run, tmp_path, lambda c: change(c, tmp_path / "gone"))
+    rc, out, err = _main(capsys, "--workdir", moved, "--prompt", "a")
     assert rc == 2 and re.search(message, err), err
     assert out == "" and "checkpoint step" not in err  # refused before restoring anything
