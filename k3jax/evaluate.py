@@ -9,6 +9,7 @@ model and data to use.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,16 @@ from pathlib import Path
 from k3jax.config.base import ConfigError
 from k3jax.config.experiment import ExperimentConfig, from_dict
 from k3jax.files import write_atomically
+
+
+def recorded_config(workdir: str | Path) -> dict:
+    """A training workdir's ``config.json`` as the run recorded it: the resolved config with
+    ``data.corpus``, the built corpus it trained on (its directory, tokenizer kind and vocabulary
+    size), which the config dataclass does not keep."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
+    return json.loads(path.read_text())
 
 
 def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, dict, dict]:
@@ -26,11 +37,8 @@ def restore_workdir(workdir: str | Path, log=print) -> tuple[ExperimentConfig, d
     from k3jax.train.checkpoint import Checkpointer, verify_newest_ahead
 
     workdir = Path(workdir)
-    cfg_file = workdir / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
-    config = json.loads(cfg_file.read_text())
-    cfg: ExperimentConfig = from_dict(ExperimentConfig, config, where=str(cfg_file))
+    config = recorded_config(workdir)
+    cfg: ExperimentConfig = from_dict(ExperimentConfig, config, where=str(workdir / "config.json"))
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir / 'checkpoints'}: no checkpoint in this workdir")
     verified = verify_newest_ahead(workdir / "checkpoints")  # hashed while the model is traced
@@ -58,7 +66,8 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     workdir = Path(workdir)
     cfg, state, meta = restore_workdir(workdir, log)
     eval_step = jax.jit(make_eval_step(K3Model(cfg.model)))
-    data = make_data(cfg.data, cfg.model.vocab_size, workdir, cfg.eval.batches, log=log)
+    data = make_data(_trained_on(cfg.data, recorded_config(workdir), log), cfg.model.vocab_size,
+                     workdir, cfg.eval.batches, log=log)
     results = {"heldout": evaluate_batches(eval_step, state["params"], state["balance"],
                                            data.heldout)}
     for name, batches in task_batches(tasks, cfg.data.seq_len, cfg.data.batch_size,
@@ -71,6 +80,20 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
                        for k, v in results.items()}}
     write_atomically(workdir / "eval.json", json.dumps(out, indent=1))
     return out
+
+
+def _trained_on(data_cfg, config: dict, log):
+    """``data_cfg`` reading the corpus the run trained on, where its recorded directory still
+    holds one: a corpus built again from the sources would hold another held-out split if a
+    source changed since, and a newly trained BPE."""
+    corpus = (config["data"].get("corpus") or {}).get("corpus")
+    if corpus is None or data_cfg.task != "corpus":
+        return data_cfg
+    if not (Path(corpus) / "meta.json").is_file():
+        log(f"[data] the corpus the run trained on ({corpus}) is gone; building it again from "
+            "the config's data fields")
+        return data_cfg
+    return dataclasses.replace(data_cfg, data_dir=corpus)
 
 
 def _state_shapes(cfg, micro: int) -> dict:

@@ -171,13 +171,20 @@ def test_clear_errors(workdir, capsys, tmp_path):
 
 
 def _workdir_with(run, directory, change) -> str:
-    """A copy of ``run`` whose config.json is changed by ``change(config)``."""
+    """A copy of ``run`` whose config.json, and the config its checkpoint records with it, are
+    changed by ``change(config)``, as a run made with that config would have left them."""
     import shutil
+
+    from k3jax.train.checkpoint import write_manifest
 
     shutil.copytree(run / "checkpoints", directory / "checkpoints")
     config = json.loads((run / "config.json").read_text())
     change(config)
     (directory / "config.json").write_text(json.dumps(config))
+    for step in (directory / "checkpoints").iterdir():
+        meta = step / "meta" / "metadata"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "config": config}))
+        write_manifest(step)
     return str(directory)
 
 

@@ -176,7 +176,16 @@ def test_evaluate_and_plot(runs, capsys):
     from k3jax.evaluate import main as evaluate_main
     from k3jax.plot import plot_runs
 
-    assert evaluate_main(["--workdir", str(runs["root"] / "A"), "--tasks", "parity"]) == 0
+    # The sources edited since: the evaluation reads the corpus the run trained on, not one built
+    # again from them (whose held-out split would hold other text).
+    sources = {f: f.read_text() for f in (runs["root"] / "text").iterdir()}
+    for f, text in sources.items():
+        f.write_text(text.upper())
+    try:
+        assert evaluate_main(["--workdir", str(runs["root"] / "A"), "--tasks", "parity"]) == 0
+    finally:
+        for f, text in sources.items():
+            f.write_text(text)
     table = capsys.readouterr().out
     assert "heldout" in table and "parity" in table
     result = json.loads((runs["root"] / "A" / "eval.json").read_text())

@@ -12,22 +12,12 @@ batch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from k3jax.config.base import ConfigError
 
 REPLACEMENT = "\ufffd"  # what a decode puts for bytes that are not (yet) a whole character
-
-
-def recorded_config(workdir: Path) -> dict:
-    """The run's ``config.json`` as training recorded it (with ``data.corpus``, the corpus it
-    trained on, which the resolved config dataclass does not keep)."""
-    path = workdir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir?")
-    return json.loads(path.read_text())
 
 
 def run_tokenizer(config: dict, workdir: Path, override: str | None):
@@ -115,7 +105,7 @@ def main(argv=None) -> int:
 
 
 def _generate(args) -> int:
-    from k3jax.evaluate import restore_workdir
+    from k3jax.evaluate import recorded_config, restore_workdir
     from k3jax.generate.loop import cache_length, generate
     from k3jax.generate.sampling import SamplingConfig
 
