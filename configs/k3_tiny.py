@@ -1,4 +1,5 @@
-"""K3 in miniature for the CPU (seconds per step): every K3 feature at toy widths."""
+"""K3 in miniature for the CPU (seconds per step): K3's layers at toy widths (MLA without its
+query LoRA, which ``k3_small`` has)."""
 
 from k3jax.config import FFNConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
 

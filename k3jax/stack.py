@@ -69,7 +69,7 @@ def plan_stack(cfg: ModelConfig, start: int = 0, stop: int | None = None,
     periods = [cfg.mla_every] + [p for p in range(1, 9) if p != cfg.mla_every]
     for period in periods:
         # the group starts within one period after the dense layers (or the range's start)
-        for s in range(start, min(stop, max(start, cfg.first_k_dense) + period + 1)):
+        for s in range(start, min(stop, max(start, cfg.dense_layers) + period + 1)):
             n = _repeats(specs, s, stop, period)
             if n >= 2 and n * period > len(best.group) * best.repeats:
                 best = StackPlan(specs, s, specs[s:s + period], n, start, stop, name)

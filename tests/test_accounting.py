@@ -66,16 +66,16 @@ def test_serving_quantities_of_k3_match_spec_9():
     assert abs(kda_state_bytes(cfg) / 2**20 - 414) < 1  # ~414 MiB per sequence over 69 layers
 
 
-@pytest.mark.parametrize("name,total,active,rel", [
-    ("k3_full", 2.78e12, 104.2e9, 0.005),  # math §1: within 0.5% is a pass
-    # math §1 says "48B total, ~3B active"; the released config gives 49.1B / 3.1B by this count
-    # (the "48B" name rounds down), so "about" is checked at 3%.
-    ("kimi_linear_48b", 48e9, 3.0e9, 0.03),
+@pytest.mark.parametrize("name,total,active,rel_total,rel_active", [
+    ("k3_full", 2.78e12, 104.2e9, 0.005, 0.005),  # math §1: within 0.5% is a pass
+    # math §1 says "48B total, ~3B active"; the released config gives 49.1B / 3.11B by this count
+    # (the "48B" name rounds down), so "about" is checked at 3% and 4%.
+    ("kimi_linear_48b", 48e9, 3.0e9, 0.03, 0.04),
 ])
-def test_released_shapes_total_and_active(name, total, active, rel):
+def test_released_shapes_total_and_active(name, total, active, rel_total, rel_active):
     counts = count_params(importlib.import_module(f"configs.{name}").model_config())
-    assert abs(counts.total / total - 1) < rel, counts
-    assert abs(counts.active / active - 1) < max(rel, 0.04), counts
+    assert abs(counts.total / total - 1) < rel_total, counts
+    assert abs(counts.active / active - 1) < rel_active, counts
 
 
 def test_routed_experts_count_at_top_k_over_e():

@@ -27,6 +27,8 @@ from k3jax.config.experiment import DataConfig, OptimConfig
     (lambda: ModelConfig(num_layers=4, mla_layers=(1, 4)), r"ModelConfig.mla_layers=.*\[4\]"),
     (lambda: ModelConfig(first_k_dense=9), r"ModelConfig.first_k_dense=9"),
     (lambda: ModelConfig(dtype="int8"), r"ModelConfig.dtype='int8'"),
+    (lambda: ModelConfig(dtype="float16"), r"ModelConfig.dtype='float16'"),
+    (lambda: MLAConfig(rope=True, rope_theta=0.0), r"MLAConfig.rope_theta=0.0 .*finite"),
     (lambda: ResidualConfig(kind="attnres"), r"block_size_sublayers=None .*block size"),
     (lambda: ResidualConfig(kind="attnres", block_size_sublayers=4, block_size_layers=3),
      r"conflicts with block_size_layers=3"),
@@ -45,6 +47,24 @@ def test_schedule_and_block_size_units():
     assert ResidualConfig(kind="attnres", block_size_layers=12).block_sublayers == 24
     assert ModelConfig(num_layers=8, mla_every=4).layer_types.count("mla") == 2
     assert ModelConfig(num_layers=7, mla_every=4).layer_types[-1] == "mla"
+
+
+def test_an_moe_set_after_construction_takes_its_layers():
+    """A dense model (no ``moe``) keeps ``first_k_dense`` as given, so an MoE added later by
+    ``replace`` or ``--set`` starts where it says; without one every layer is dense."""
+    from k3jax.config.experiment import ExperimentConfig, apply_overrides
+
+    dense = ModelConfig(num_layers=4, first_k_dense=1)
+    assert dense.mlp_types == ("dense",) * 4
+    assert dense.replace(moe=MoEConfig()).mlp_types == ("dense", "moe", "moe", "moe")
+    assert dense.replace(num_layers=2).mlp_types == ("dense",) * 2
+    cfg = apply_overrides(ExperimentConfig(), ["model.moe.num_experts=8"]).model
+    assert cfg.mlp_types == ("dense", "moe", "moe", "moe")
+
+
+def test_mla_layers_given_as_a_list_keep_the_config_hashable():
+    assert hash(ModelConfig(num_layers=4, mla_layers=[1, 3])) == hash(
+        ModelConfig(num_layers=4, mla_layers=(1, 3)))
 
 
 def test_configs_are_frozen():

@@ -142,7 +142,7 @@ def test_bad_tokens_are_rejected_before_tracing():
 
 # The released shapes (kimi_linear_48b, k3_full) are traced by their parameter counts in
 # test_accounting.py: ``count_params`` initialises them by eval_shape, which runs the forward.
-PRESETS = ["k3_tiny", "k3_small"]
+PRESETS = ["k3_tiny", "k3_small", "k3_1b"]
 
 
 @pytest.mark.parametrize("name", PRESETS)

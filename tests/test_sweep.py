@@ -285,9 +285,10 @@ def test_rung_the_model_cannot_build_is_named(tmp_path):
         plan_sweep(_toy_sweep(tmp_path, ladder=Ladder(sizes=(32, 40))))
     with pytest.raises(SweepError, match="rung depth=0|sizes=.*positive"):
         Ladder(sizes=(0,), knob="depth")
-    # Without MoE every layer is dense (first_k_dense = num_layers = 3): two layers cannot hold it.
+    # Three dense layers before any MoE: a two-layer rung cannot hold them.
     deep = _toy_sweep(tmp_path, ladder=Ladder(sizes=(3, 2), knob="depth"),
-                      variants=(Variant("dense3", ("model.num_layers=3",)),))
+                      variants=(Variant("dense3", ("model.num_layers=3",
+                                                   "model.first_k_dense=3")),))
     with pytest.raises(SweepError, match="rung depth=2: the model cannot be built.*first_k_dense"):
         plan_sweep(deep)
 

@@ -69,11 +69,6 @@ def power_of_two(owner: Any, field: str) -> None:
         fail(owner, field, v, "expected a power of two")
 
 
-def divides(owner: Any, field: str, value: int, by: int, what: str) -> None:
-    if by <= 0 or value % by:
-        fail(owner, field, getattr(owner, field), f"{what} ({value}) must be divisible by {by}")
-
-
 def to_dict(cfg: Any) -> dict:
     """A JSON-ready nested dict of a config (for checkpoints and logs)."""
     return dataclasses.asdict(cfg)

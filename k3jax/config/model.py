@@ -8,13 +8,13 @@ that uses it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from k3jax.config.base import (
     ConfigError,
     check_literals,
-    divides,
     fail,
     positive,
     power_of_two,
@@ -97,6 +97,8 @@ class MLAConfig:
             positive(self, "q_lora_rank")
         if self.rope and self.qk_rope_head_dim % 2:
             fail(self, "qk_rope_head_dim", self.qk_rope_head_dim, "RoPE needs an even width")
+        require(not self.rope or 0 < self.rope_theta < math.inf, self, "rope_theta",
+                "expected a finite number > 0")
         if self.v_head_dim > self.qk_head_dim:
             fail(self, "v_head_dim", self.v_head_dim,
                  f"at most qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} (XLA's "
@@ -179,7 +181,7 @@ class ModelConfig:
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     rms_eps: float = 1e-5
     init_std: float = 0.02
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True
     remat: Remat = "none"
@@ -193,14 +195,13 @@ class ModelConfig:
             fail(self, "first_k_dense", self.first_k_dense,
                  f"expected 0..num_layers={self.num_layers}")
         if self.mla_layers is not None:
+            # A list would make the config unhashable, and configs are jit's static arguments.
+            object.__setattr__(self, "mla_layers", tuple(self.mla_layers))
             bad = [i for i in self.mla_layers if not (0 <= i < self.num_layers)]
             if bad:
                 fail(self, "mla_layers", self.mla_layers,
                      f"layer indices are 0-based and must lie in [0, {self.num_layers}); "
                      f"out of range: {bad}")
-        if self.moe is None and self.first_k_dense < self.num_layers:
-            # Without an MoE config every layer is dense; normalise rather than fail.
-            object.__setattr__(self, "first_k_dense", self.num_layers)
         if self.moe is not None:
             if self.moe.latent_dim is not None and self.moe.latent_dim > self.d_model:
                 fail(self, "moe.latent_dim", self.moe.latent_dim,
@@ -217,8 +218,14 @@ class ModelConfig:
         return tuple("mla" if i in mla else "kda" for i in range(self.num_layers))
 
     @property
+    def dense_layers(self) -> int:
+        """How many layers, from the first, have a dense FFN: all of them without ``moe`` (so an
+        MoE set later, by ``replace`` or ``--set``, starts after ``first_k_dense`` as given)."""
+        return self.num_layers if self.moe is None else self.first_k_dense
+
+    @property
     def mlp_types(self) -> tuple[str, ...]:
-        return tuple("dense" if i < self.first_k_dense else "moe" for i in range(self.num_layers))
+        return tuple("dense" if i < self.dense_layers else "moe" for i in range(self.num_layers))
 
     @property
     def num_sublayers(self) -> int:
@@ -229,4 +236,4 @@ class ModelConfig:
 
 
 __all__ = ["ConfigError", "Documents", "FFNConfig", "KDAConfig", "MLAConfig", "ModelConfig",
-           "ResidualConfig", "divides"]
+           "ResidualConfig"]

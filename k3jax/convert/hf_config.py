@@ -290,7 +290,7 @@ def config_to_hf(cfg: ModelConfig, original: dict | None = None) -> dict:
             "short_conv_kernel_size": k.conv_size,
             "full_attn_layers": [i + 1 for i in mla],
             "kda_layers": [i + 1 for i in range(cfg.num_layers) if i not in mla]},
-        "first_k_dense_replace": cfg.first_k_dense, "moe_layer_freq": 1,
+        "first_k_dense_replace": cfg.dense_layers, "moe_layer_freq": 1,
         "num_nextn_predict_layers": 0,
     }
     if moe is not None:

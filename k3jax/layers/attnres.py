@@ -108,7 +108,8 @@ class _DepthMix(nn.Module):
         self.key_norm = self.param("key_norm", ones(("norm",)), (d,), pdt)
 
     def mix(self, state: AttnResState, partial_valid=True) -> jax.Array:
-        """The read alone, ``h [B, T, d]``, of ``state``'s sources."""
+        """The read alone, ``h [B, T, d]``, of ``state``'s sources (what the released model's
+        formula gives, checked against it on imported weights)."""
         return depth_mix(state.blocks, state.partial, self.query, self.key_norm, self.cfg.rms_eps,
                          partial_valid)[0]
 

@@ -2,7 +2,8 @@
 
 Every parameter is created through :func:`param_init`, so a sharding rules table (MaxText style)
 can map logical names like ``"embed"`` or ``"exp"`` onto mesh axes without touching the layers.
-``model.init`` returns boxed values; :func:`k3jax.model.init_params` unboxes them into plain arrays.
+``model.init`` returns boxed values; :func:`k3jax.model.init_variables` unboxes them into plain
+arrays.
 
 Logical names used: ``vocab``, ``embed`` (d_model), ``heads``, ``kv`` (head dim), ``q_lora``,
 ``kv_lora``, ``mlp`` (FFN hidden), ``exp`` (expert index), ``latent`` (MoE latent width),
@@ -16,7 +17,6 @@ from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 
 def param_init(init: Callable, axes: Sequence[str | None]) -> Callable:
@@ -47,8 +47,4 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, names)
 
 
-def dtype_of(name: str) -> jnp.dtype:
-    return jnp.dtype(name)
-
-
-__all__ = ["constrain", "param_init", "normal", "ones", "zeros", "dtype_of"]
+__all__ = ["constrain", "param_init", "normal", "ones", "zeros"]
