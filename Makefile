@@ -15,7 +15,7 @@ GPU_ENV := PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # name its commit in a COMMIT file).
 RECORD_ENV = mkdir -p $(BENCH_OUT) && { date -u; nvidia-smi \
   --query-gpu=name,memory.total,driver_version --format=csv; \
-  cat COMMIT 2>/dev/null || git rev-parse HEAD; } > $(BENCH_OUT)/env.txt 2>&1
+  cat COMMIT 2>/dev/null || git describe --always --dirty --abbrev=40; } > $(BENCH_OUT)/env.txt 2>&1
 
 .PHONY: venv train test bench-kda bench-moe bench-train bench-scale bench-sweep test-gpu clean
 

@@ -5,8 +5,10 @@ Every import statement (module level or inside a function: a lazy import is stil
 module ``k3jax/ops/kda.py`` belongs to ``k3jax.ops``, ``k3jax/model.py`` to ``k3jax.model``,
 ``pallas_kernels/kda.py`` to ``pallas_kernels``. A package may import only packages of a lower tier
 of ``TIERS``. Packages not named there (command-line tools such as a converter or a sweep) sit on
-top: they may import anything, and nothing named in ``TIERS`` may import them. The whole graph,
-tools included, has no cycle, and neither has the graph of the modules themselves.
+top: they may import anything, and nothing named in ``TIERS`` may import them. The package itself,
+``k3jax`` (the public API), gathers everything, tools included, through its ``_EXPORTS`` table of
+lazy imports, which count as its edges. The whole graph has no cycle, and neither has the graph
+of the modules themselves.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ TIERS = (
     ("k3jax.data",),
     ("k3jax.train",),
     ("k3jax.evaluate", "k3jax.plot"),
-    ("k3jax",),                # the package's public API may gather everything
 )
 RANK = {name: rank for rank, tier in enumerate(TIERS) for name in tier}
 
@@ -70,7 +71,14 @@ def imported_modules(path: Path) -> frozenset[str]:
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif _is_exports_table(node):  # {name: (module, attribute)}, imported when first used
+            found.update(value.elts[0].value for value in node.value.values)
     return frozenset(found)
+
+
+def _is_exports_table(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets))
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """README.md's code blocks run as written: every ```python block executes (on the CPU, in order,
-each in a fresh namespace), and every command of a ```bash block parses its arguments -- train.py's
+each in a fresh namespace) and prints what its comments say, and every command of a ```bash block parses its arguments -- train.py's
 config and ``--set`` overrides are loaded and checked, a ``python -m k3jax.X`` command goes through
 that module's own argument parser (which stops there), a ``make`` target exists in the Makefile."""
 
@@ -57,12 +57,35 @@ def test_the_readme_has_the_blocks_this_test_reads():
         a for argv in _commands() for a in argv}
 
 
+def _shown(block: str) -> list[str]:
+    """The comment after each ``print(...)`` of a block: what the README says it prints."""
+    return [line.split("#", 1)[1].strip() for line in block.splitlines()
+            if line.startswith("print(") and "#" in line]
+
+
+def _check_shown(said: str, printed: str) -> None:
+    """``said`` is the printed line (a literal starting with ``(``), possibly ending in ``< X``
+    for the last number printed; other comments describe the values and are not compared."""
+    if not said.startswith("("):
+        return
+    literal, _, bound = said.partition("<")
+    assert printed.startswith(literal.strip()), (said, printed)
+    if bound:
+        assert float(printed.split()[-1]) < float(bound), (said, printed)
+
+
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
-def test_python_block_runs(index, monkeypatch, tmp_path):
+def test_python_block_runs(index, monkeypatch, tmp_path, capsys):
+    block = _blocks("python")[index]
     script = tmp_path / f"readme_block_{index}.py"
-    script.write_text(_blocks("python")[index])
+    script.write_text(block)
     monkeypatch.chdir(ROOT)
     runpy.run_path(str(script), run_name="__main__")
+    printed = capsys.readouterr().out.strip().splitlines()
+    said = _shown(block)
+    assert len(printed) >= len(said)
+    for comment, line in zip(said, printed[-len(said):] if said else []):
+        _check_shown(comment, line)
 
 
 # runpy warns when the module was imported before (by another test): harmless for a parse.
