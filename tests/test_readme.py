@@ -1,7 +1,8 @@
 """README.md's code blocks run as written: every ```python block executes (on the CPU, in order,
-each in a fresh namespace) and prints what its comments say, and every command of a ```bash block parses its arguments -- train.py's
-config and ``--set`` overrides are loaded and checked, a ``python -m k3jax.X`` command goes through
-that module's own argument parser (which stops there), a ``make`` target exists in the Makefile."""
+each in a fresh namespace) and prints what its comments say, and every command of a ```bash block
+parses its arguments -- train.py's config and ``--set`` overrides are loaded and checked, a
+``python -m k3jax.X`` command goes through that module's own argument parser (which stops there),
+a ``make`` target exists in the Makefile."""
 
 import argparse
 import re
