@@ -40,7 +40,7 @@ THREE_DOCS = np.stack([_runs([T]), _runs([20, 30, T - 50])])
 MANY_DOCS = np.stack([_runs([T]), _runs([3] * 20 + [T - 60])])
 # one document a row, under ids that differ between rows
 ONE_DOC_ROWS = np.stack([_runs([T]), _runs([T]) + 7])
-# one id in two places (ids not in runs): the mask's meaning (both places attend to each other)
+# one id in two places (ids not in runs): three documents, the second run of the id a new one
 SPLIT_DOC = np.stack([_runs([T]), np.repeat(np.array([0, 1, 0], np.int32), [20, 20, T - 40])])
 
 

@@ -2,7 +2,8 @@
 XLA's composition of the formula elsewhere.
 
 ``o = softmax(scale * q k^T + mask) v`` per head, causal and within each packed document
-(``segment_ids``: equal ids attend to each other).
+(``segment_ids``: a document is a run of equal ids, as KDA's state and the convolutions see it;
+an id that comes back after another is a new document).
 
 * :func:`attention_reference` -- the formula in fp32, scores materialised: the oracle;
 * :func:`causal_attention` -- what the model calls (with documents and several devices, each
@@ -62,12 +63,19 @@ CUDNN_UNEQUAL_HEAD_DIMS = 91000
 
 
 def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
-    """Boolean ``[B, 1, T, T]``: causal, and only within the same segment."""
+    """Boolean ``[B, 1, T, T]``: causal, and only within one document (a run of equal ids in
+    ``segment_ids [B, T]``)."""
     causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (batch, 1, length, length))
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal & same
+    doc = _run_index(segment_ids)
+    return causal & (doc[:, None, :, None] == doc[:, None, None, :])
+
+
+def _run_index(segment_ids: jax.Array) -> jax.Array:
+    """``[B, T]``: the run of equal ids each token is in, counted from 0 in each row."""
+    starts = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.cumsum(jnp.concatenate([jnp.zeros_like(starts[:, :1]), starts], 1), axis=1)
 
 
 def attention_reference(q, k, v, mask, scale: float) -> jax.Array:
@@ -86,9 +94,7 @@ def segment_runs(segment_ids: jax.Array, max_runs: int):
     equal ids, ``-1`` past a row's last run; ``fits`` ([] bool) is true when every row's ids are
     non-decreasing (each document one run, so runs and the mask's segments agree) with at most
     ``M`` runs. Where it is false the offsets and lengths are meaningless."""
-    b, t = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-    run = jnp.cumsum(starts, axis=1) - 1  # [B, T]: the run each token is in
+    run = _run_index(segment_ids)  # [B, T]
     runs = run[:, -1] + 1  # [B]
     slot = jnp.arange(max_runs + 1)
     # offsets[b, r] = the first token of run r: the number of tokens in runs before it
