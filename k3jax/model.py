@@ -57,7 +57,10 @@ class LayerGroup(nn.Module):
     @nn.compact
     def __call__(self, carry, first_layer, invariant, segment_ids, deterministic: bool,
                  caches=None, context=None):
-        """``caches`` (inference): this repeat's ``{layer_k: cache}``, returned updated."""
+        """One repeat of the group: ``carry`` (the residual state's carried part, ``[B, T, d]``)
+        -> ``(carry, new caches)``; ``first_layer``: the depth of the group's first layer in this
+        repeat. ``caches`` (inference): this repeat's ``{layer_k: cache}``, returned updated (None
+        without)."""
         layer_cls = _remat(DecoderLayer, self.cfg.remat, static_index=False)
         new_caches = None if caches is None else {}
         for offset, (mixer, ffn) in enumerate(self.group):

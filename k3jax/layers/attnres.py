@@ -93,6 +93,8 @@ def split_state(state: AttnResState) -> tuple[jax.Array, tuple[jax.Array, ...]]:
 
 
 def join_state(carry: jax.Array, invariant: tuple[jax.Array, ...]) -> AttnResState:
+    """The inverse of :func:`split_state`: the partial sum ``carry [B, T, d]`` and the completed
+    blocks ``invariant`` (each ``[B, T, d]``) as one state."""
     return AttnResState(invariant, carry)
 
 
@@ -155,6 +157,7 @@ class AttnResFinalRead(_DepthMix):
     norm."""
 
     def __call__(self, state: AttnResState, norm: nn.Module) -> jax.Array:
+        """``norm`` of the read over every source of ``state``: ``[B, T, d]``."""
         if _diagnosing(self):
             sources = state.blocks + (() if state.partial is None else (state.partial,))
             _sow(self, "block_rms", jnp.stack([jnp.sqrt(jnp.mean(jnp.square(v.astype(jnp.float32))))

@@ -170,6 +170,8 @@ class KDALayer(nn.Module):
 
     @staticmethod
     def empty_cache(cfg: ModelConfig, batch: int) -> KDACache:
+        """A cache of no tokens for ``batch`` rows: zero convolution states ``[batch, W - 1,
+        H K]`` for q, k and v and a zero recurrent state ``[batch, H, K, K]``."""
         k = cfg.kda
         hk = k.num_heads * k.head_dim
         conv = jnp.zeros((batch, k.conv_size - 1, hk), jnp.dtype(cfg.dtype))

@@ -188,6 +188,8 @@ class MLALayer(nn.Module):
 
     @staticmethod
     def empty_cache(cfg: ModelConfig, batch: int, max_len: int) -> MLACache:
+        """A cache of no tokens with room for ``max_len``: latents ``c [batch, max_len, L]`` and
+        rotary keys ``[batch, max_len, R]``, length 0."""
         m, dt = cfg.mla, jnp.dtype(cfg.dtype)
         return MLACache(jnp.zeros((batch, max_len, m.kv_lora_rank), dt),
                         jnp.zeros((batch, max_len, m.qk_rope_head_dim), dt),
