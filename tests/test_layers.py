@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import small_config
 
+from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDALayer, kda_gate
 from k3jax.layers.mla import MLALayer
 from k3jax.ops.rms_norm import rms_norm
@@ -171,10 +172,13 @@ def test_mla_decode_equals_full(rope):
     v = _init(layer, x)
     full = _jit(layer)(v, x)
     cache = MLALayer.empty_cache(cfg, B, max_len=10)
-    outs, step = [], _jit(layer, method=MLALayer.decode_step)
-    for t in range(x.shape[1]):
-        y, cache = step(v, x[:, t], cache)
-        outs.append(y)
+    outs, step = [], _jit(layer, method=MLALayer.cached)
+    for t in range(x.shape[1]):  # one document a row: token t sees the cache up to itself
+        mask = np.broadcast_to(np.arange(10) <= t, (B, 1, 1, 10))
+        context = CacheContext(np.ones((B, 1), np.int32), np.full((B, 1), t, np.int32), mask,
+                               np.ones((B, cfg.kda.conv_size - 1), bool), np.ones(B, bool))
+        y, cache = step(v, x[:, t:t + 1], cache, context)
+        outs.append(y[:, 0])
     assert rel_rms(full, np.stack(outs, 1)) < FP32_TOL
     m = cfg.mla
     assert cache.c.shape[-1] + cache.k_rope.shape[-1] == m.kv_lora_rank + m.qk_rope_head_dim

@@ -160,20 +160,6 @@ class MLALayer(nn.Module):
         o = self._absorbed_attend(q_nope, q_rope, c, k_rope, attention_mask(segment_ids, b, t))
         return self._output(x, o.astype(x.dtype))
 
-    def decode_step(self, x: jax.Array, cache: MLACache):
-        """One token ``x [B, d]`` -> ``(y [B, d], cache)``; appends ``[c | k_rope]`` to the
-        cache."""
-        x = x.astype(jnp.dtype(self.cfg.dtype))[:, None]
-        b, s = cache.c.shape[:2]
-        pos = jnp.broadcast_to(cache.length, (b, 1))
-        q_nope, q_rope = self._query(x, pos)
-        c_new, kr_new = self._latent(x, pos)
-        c, kr = _write(cache.c, c_new, cache.length), _write(cache.k_rope, kr_new, cache.length)
-        mask = (jnp.arange(s) <= cache.length)[None, None, None, :]
-        o = self._absorbed_attend(q_nope, q_rope, c, kr, mask)
-        y = self._output(x, o.astype(x.dtype))[:, 0]
-        return y, MLACache(c, kr, cache.length + 1)
-
     def cached(self, x: jax.Array, cache: MLACache, context: CacheContext):
         """``x [B, T, d]`` -> ``(y [B, T, d], cache)``: writes the new ``[c | k_rope]`` at
         ``cache.length``, then attends over the cache under ``context.mask``: the expanded form
