@@ -152,12 +152,9 @@ def test_kda_layer_is_its_formula(gate, output_gate, impl):
     _check_kda(gate, output_gate, impl, _segments(middle_run=12))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the short convolution masks a tap by comparing segment ids, not documents: an id returning "
-    "after a run shorter than W - 1 = 3 tokens lets the taps of its first tokens read the earlier "
-    "document with that id (k3jax/ops/short_conv.py::_conv32, pallas_kernels/short_conv.py), "
-    "against math §2 and §3.1 step 2"))
 def test_kda_conv_stops_at_a_document_whose_id_returns_soon():
+    """An id back after a run shorter than the convolution's W - 1 = 3 taps: the returning
+    document's first tokens must not read the earlier document of that id."""
     _check_kda("lower_bound", "full", "reference", _segments(middle_run=2))
 
 

@@ -31,7 +31,7 @@ from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDACache, KDALayer
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.rope import segment_positions
-from k3jax.ops.kda_reference import segment_starts
+from k3jax.ops.documents import segment_starts
 from k3jax.stack import plan_segments
 
 PAD_SEGMENT = 0  # segment id of left padding; prompt tokens get 1 (see left_pad)

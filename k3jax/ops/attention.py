@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config.mesh import rule_axes
 from k3jax.config.model import Documents
 from k3jax.devices import hopper_gpus
+from k3jax.ops.documents import document_index
 from k3jax.ops.per_device import batch_axes
 
 # Documents per row cuDNN's packed path is compiled for. Its backward sizes a workspace and its
@@ -68,14 +69,8 @@ def attention_mask(segment_ids: jax.Array | None, batch: int, length: int) -> ja
     causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (batch, 1, length, length))
-    doc = _run_index(segment_ids)
+    doc = document_index(segment_ids)
     return causal & (doc[:, None, :, None] == doc[:, None, None, :])
-
-
-def _run_index(segment_ids: jax.Array) -> jax.Array:
-    """``[B, T]``: the run of equal ids each token is in, counted from 0 in each row."""
-    starts = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.cumsum(jnp.concatenate([jnp.zeros_like(starts[:, :1]), starts], 1), axis=1)
 
 
 def attention_reference(q, k, v, mask, scale: float) -> jax.Array:
@@ -94,7 +89,7 @@ def segment_runs(segment_ids: jax.Array, max_runs: int):
     equal ids, ``-1`` past a row's last run; ``fits`` ([] bool) is true when every row's ids are
     non-decreasing (each document one run, so runs and the mask's segments agree) with at most
     ``M`` runs. Where it is false the offsets and lengths are meaningless."""
-    run = _run_index(segment_ids)  # [B, T]
+    run = document_index(segment_ids)  # [B, T]
     runs = run[:, -1] + 1  # [B]
     slot = jnp.arange(max_runs + 1)
     # offsets[b, r] = the first token of run r: the number of tokens in runs before it

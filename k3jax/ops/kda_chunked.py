@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda_reference import segment_starts
+from k3jax.ops.documents import segment_starts
 
 SUB_BLOCK = 16  # rows per sub-block of the relative-decay factorisation
 _PREC = jax.lax.Precision.HIGHEST  # true fp32 dots on GPUs too (not TF32)

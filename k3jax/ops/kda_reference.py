@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.documents import segment_starts
+
 # The oracle must be true fp32 on every backend (GPUs otherwise run fp32 dots in TF32).
 _PREC = jax.lax.Precision.HIGHEST
 
@@ -49,16 +51,6 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale):
     s = s + k[..., :, None] * u[..., None, :]                            # 4. write
     o = jnp.einsum("bhkv,bhk->bhv", s, q * scale, precision=_PREC)        # 5. read after write
     return o.astype(out_dtype), s
-
-
-def segment_starts(segment_ids):
-    """``[B, T]`` bool: True where a token starts a new packed segment (never at ``t = 0``).
-
-    The first token continues from the initial state; any later token whose id differs from its
-    predecessor's starts from a zero state.
-    """
-    first = jnp.zeros_like(segment_ids[:, :1], dtype=bool)
-    return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
 def kda_reference(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
@@ -95,4 +87,4 @@ def kda_reference(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=No
     return jnp.moveaxis(o, 0, 1), final_state
 
 
-__all__ = ["kda_decode_step", "kda_reference", "segment_starts"]
+__all__ = ["kda_decode_step", "kda_reference"]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.documents import document_index
 from k3jax.ops.kda import L2_EPS, l2_normalize
 from k3jax.ops.kernel_launch import launcher
 from k3jax.ops.per_device import on_own_rows
@@ -64,7 +65,8 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
     Args:
       x: ``[B, T, C]`` inputs.
       w: ``[W, C]`` taps.
-      segment_ids: ``[B, T]`` int or None; taps only reach tokens of the same segment.
+      segment_ids: ``[B, T]`` int or None; taps only reach tokens of the same document (a run
+        of equal ids: :mod:`k3jax.ops.documents`).
       state: ``[B, W-1, C]`` inputs preceding ``x`` (a continued sequence), or None for zeros. They
         belong to the segment of ``x``'s first token.
       impl: for a sequence from its start (no ``state``), ``"pallas"`` runs the kernels
@@ -74,16 +76,18 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
     Returns:
       The activation and ``new_state``, the last ``W-1`` inputs.
     """
+    # Both paths mask a tap by equal numbers: documents', not ids (which may come back).
     if state is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
         from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
 
         seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):  # the kernels check
             norm = None if head_dim is None else (head_dim, L2_EPS)
-            return (conv_silu_kernels(x, w, seg, norm),
+            return (conv_silu_kernels(x, w, document_index(seg), norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     _check_formula_args("conv_silu", x, w, state, head_dim, segment_ids)
-    y, new_state = _conv32(x, w, segment_ids, state)
+    docs = None if segment_ids is None else document_index(segment_ids)
+    y, new_state = _conv32(x, w, docs, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
 
 
