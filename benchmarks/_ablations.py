@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Callable
 from types import ModuleType
 
-from _timing import emit, timed
+from _timing import error_text, output, timed
 
 from pallas_kernels._mgpu import CHUNK, HEAD_DIMS
 
@@ -49,7 +49,7 @@ def run_variant(module: ModuleType, variant: str, attrs: dict, kernels: Kernels,
                 else:
                     rec["ms"] = round(timed(fn, args, iters=10, repeats=5), 4)
             except Exception as e:  # a variant that does not lower or run: say why, go on
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+                rec["error"] = error_text(e, 300)
             out.append(rec)
     return out
 
@@ -83,10 +83,10 @@ def main(description: str, module: ModuleType, ablations: dict[str, dict],
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(ablations)}")
     failed = False
-    with open(a.out, "a") if a.out else contextlib.nullcontext() as out:
+    with output(a.out) as emit:
         for name in a.variants.split(","):
             kernels = make_kernels(shape)
             for rec in run_variant(module, name, ablations[name], kernels, shape, a.lower_only):
-                emit(rec, out)
+                emit(rec)
                 failed |= "error" in rec
     return 1 if failed and a.lower_only else 0

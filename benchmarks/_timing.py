@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -17,6 +18,20 @@ def emit(record: dict, out=None) -> None:
     if out is not None:
         out.write(line + "\n")
         out.flush()
+
+
+@contextlib.contextmanager
+def output(path: str | None = None):
+    """Inside the block, a function ``emit(record)``: the record printed as one JSON line and, with
+    ``path``, appended to that file (opened once, closed when the block is left)."""
+    with open(path, "a") if path else contextlib.nullcontext() as out:
+        yield functools.partial(emit, out=out)
+
+
+def error_text(e: BaseException, limit: int = 500) -> str:
+    """``"TypeName: message"`` cut to ``limit`` characters: the ``error`` field of a JSON line (a
+    compiler's message can run to pages)."""
+    return f"{type(e).__name__}: {e}"[:limit]
 
 
 def timed(fn, args, iters: int, repeats: int) -> float:
@@ -50,3 +65,21 @@ def compile_stages(trace, around_compile=contextlib.nullcontext) -> tuple[object
     return compiled, {"trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
                       "compile_s": round(t4 - t3, 2), "total_s": round(t2 - t0 + t4 - t3, 2),
                       "temp_GiB": temp}
+
+
+def kernels_vs_xla(programs: dict, operands: tuple, cotangent, gigabytes: tuple[float, float],
+                   record: dict, emit, iters: int = 20, repeats: int = 5) -> None:
+    """Kernels against XLA's fusions of the same formula: ``programs`` maps each path,
+    ``"kernels"`` and ``"xla"``, to its jitted ``(forward(*operands), forward_backward(*operands,
+    cotangent))``. One line per path: ``record`` with the path, its median forward and forward +
+    backward ms (:func:`timed`), the rates those imply for ``gigabytes`` (the (forward,
+    forward + backward) traffic of the ideal pass, GB; GB / ms = TB/s) and XLA's time over the
+    path's, ``xla_over_this`` (forward, forward + backward)."""
+    times = {path: (timed(fwd, operands, iters, repeats),
+                    timed(fwd_bwd, (*operands, cotangent), iters, repeats))
+             for path, (fwd, fwd_bwd) in programs.items()}
+    xla = times["xla"]
+    for path, (f, fb) in times.items():
+        emit({**record, "path": path, "fwd_ms": round(f, 4), "fwd_bwd_ms": round(fb, 4),
+              "fwd_TB_s": round(gigabytes[0] / f, 2), "fwd_bwd_TB_s": round(gigabytes[1] / fb, 2),
+              "xla_over_this": [round(xla[0] / f, 2), round(xla[1] / fb, 2)]})

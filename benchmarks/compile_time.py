@@ -62,7 +62,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import compile_stages
+from _timing import compile_stages, error_text
 from _trace import host_events, trace_files
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
                 row.update(measure(part, cfg, batch, opt, trace_dir, args.one_program))
         except Exception as e:  # noqa: BLE001 - report and go on with the other parts
             traceback.print_exc(file=sys.stderr)
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            row["error"] = error_text(e)
         print(json.dumps(row), flush=True)
         for kernel in kernels:
             print(json.dumps({"part": part, **kernel}), flush=True)

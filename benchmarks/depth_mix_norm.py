@@ -17,7 +17,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from _timing import emit, timed
+from _timing import kernels_vs_xla, output
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.attnres import depth_mix_norm
@@ -51,21 +51,13 @@ def main() -> None:
     g, scale = jnp.ones((d,)), jnp.ones((d,))
     dx = jax.random.normal(keys[1], shape, jnp.bfloat16)
     gb = dx.size * dx.dtype.itemsize / 1e9
-    out = open(args.out, "a") if args.out else None
-    for n in map(int, args.sources.split(",")):
-        sources = [jax.random.normal(keys[2 + i], shape, jnp.bfloat16) for i in range(n)]
-        operands = (tuple(sources[:-1]), sources[-1], w, g, scale)
-        times = {}
-        for impl in ("pallas", "xla"):
-            fwd, grad = paths(impl)
-            times[impl] = timed(fwd, operands, 20, 5), timed(grad, (*operands, dx), 20, 5)
-        for impl, (f, fb) in times.items():
-            emit({"bench": "depth_mix_norm", "path": "kernels" if impl == "pallas" else "xla",
-                  "shape": list(shape), "sources": n, "fwd_ms": round(f, 4),
-                  "fwd_bwd_ms": round(fb, 4), "fwd_TB_s": round((n + 1) * gb / f, 2),
-                  "fwd_bwd_TB_s": round((3 * n + 2) * gb / fb, 2),
-                  "xla_over_this": [round(times["xla"][0] / f, 2),
-                                    round(times["xla"][1] / fb, 2)]}, out)
+    programs = {"kernels": paths("pallas"), "xla": paths("xla")}
+    with output(args.out) as emit:
+        for n in map(int, args.sources.split(",")):
+            sources = [jax.random.normal(keys[2 + i], shape, jnp.bfloat16) for i in range(n)]
+            operands = (tuple(sources[:-1]), sources[-1], w, g, scale)
+            kernels_vs_xla(programs, operands, dx, ((n + 1) * gb, (3 * n + 2) * gb),
+                           {"bench": "depth_mix_norm", "shape": list(shape), "sources": n}, emit)
 
 
 if __name__ == "__main__":

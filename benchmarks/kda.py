@@ -20,8 +20,6 @@ GPU kernels per call): which XLA fusions and kernels take the time.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gzip
 import os
 import sys
@@ -29,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import emit, timed
+from _timing import error_text, output, timed
 
 SHAPES = ((1, 8192, 16, 128), (8, 4096, 16, 128), (2, 8192, 64, 128), (1, 32768, 16, 128))
 PEAK_TFLOPS, PEAK_TBPS = 800.0, 4.8  # H200: dense bf16 matmul measured here ~790, HBM3e 4.8 TB/s
@@ -192,8 +190,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"--impls: unknown {sorted(unknown)}; known: {sorted({*JAX_OPS, 'fla'})}")
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
-    with open(a.out, "a") if a.out else contextlib.nullcontext() as out:
-        results = _run(a, shapes, functools.partial(emit, out=out))
+    with output(a.out) as emit:
+        results = _run(a, shapes, emit)
     print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
     for shape in shapes:
         cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-"
@@ -213,7 +211,7 @@ def _run(a, shapes, emit) -> dict:
                   **breakdown(make_inputs(*shape), a.iters, a.repeats)})
         except Exception as e:
             emit({"impl": "ours_pallas_parts", "shape": list(shape),
-                  "error": f"{type(e).__name__}: {e}"[:300]})
+                  "error": error_text(e, 300)})
     for name in a.impls.split(","):
         if a.profile and name in JAX_OPS:
             trace_dir = f"{a.profile}/{name}"
@@ -223,7 +221,7 @@ def _run(a, shapes, emit) -> dict:
                       "calls": PROFILED_CALLS})  # profile_top.py --calls takes it
             except Exception as e:
                 emit({"impl": name, "profile": trace_dir,
-                      "error": f"{type(e).__name__}: {e}"[:300]})
+                      "error": error_text(e, 300)})
         for shape in shapes:
             args = make_inputs(*shape)
             try:
@@ -232,7 +230,7 @@ def _run(a, shapes, emit) -> dict:
                 results[name, shape] = r
             except Exception as e:  # a peer not installed or failing: record why, keep going
                 emit({"impl": name, "shape": list(shape),
-                      "error": f"{type(e).__name__}: {e}"[:300]})
+                      "error": error_text(e, 300)})
                 continue
             emit(_record(name, shape, r, dev))
     # each peer's time over ours (below 1: the peer is faster)

@@ -37,7 +37,7 @@ if "--tiny" in sys.argv and "xla_force_host_platform_device_count" not in os.env
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _timing import emit, timed  # noqa: E402
+from _timing import error_text, output, timed  # noqa: E402
 
 import k3jax.parallel as kp  # noqa: E402
 from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
@@ -83,7 +83,7 @@ def mesh_of(n: int):
 
 # -- grouped matmul ------------------------------------------------------------------------------
 
-def bench_grouped_matmul(shape, impls, args, out):
+def bench_grouped_matmul(shape, impls, args, emit):
     rows = shape["tokens_per_device"] * shape["top_k"]
     e, k, n = shape["num_experts"], shape["latent_dim"], shape["expert_intermediate"]
     x = jax.random.normal(jax.random.key(0), (rows, k), jnp.bfloat16)
@@ -106,10 +106,9 @@ def bench_grouped_matmul(shape, impls, args, out):
                   "groups": e, "fwd_ms": ms, "fwd_bwd_ms": ms_both,
                   "fwd_tflops": flops / ms / 1e9, "fwd_bwd_tflops": 3 * flops / ms_both / 1e9,
                   "rel_rms_vs_first": rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32)),
-                  "platform": jax.devices()[0].platform}, out)
+                  "platform": jax.devices()[0].platform})
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit({"bench": "grouped_matmul", "impl": name,
-                  "error": f"{type(e).__name__}: {e}"[:500]}, out)
+            emit({"bench": "grouped_matmul", "impl": name, "error": error_text(e)})
 
 
 # -- dispatch alone ------------------------------------------------------------------------------
@@ -127,7 +126,7 @@ def dispatch_inputs(shape, devices: int):
     return x, ids, w, ew
 
 
-def bench_dispatch(shape, dispatches, gmms, args, out):
+def bench_dispatch(shape, dispatches, gmms, args, emit):
     act = GLUSpec()
     for devices in (1, 2):
         if devices > len(jax.devices()):
@@ -144,7 +143,7 @@ def bench_dispatch(shape, dispatches, gmms, args, out):
                 if name == "ragged" and devices > 1:
                     continue
                 if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
-                    emit({**rec, "skipped": "no CPU lowering"}, out)
+                    emit({**rec, "skipped": "no CPU lowering"})
                     continue
                 try:
                     if kind == "ragged":
@@ -167,8 +166,8 @@ def bench_dispatch(shape, dispatches, gmms, args, out):
                     if cf is None:              # with a capacity factor, drops change the result
                         rec["within_bf16_tol"] = bool(err <= BF16_OUT_TOL)
                 except Exception as e:  # noqa: BLE001
-                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
-                emit(rec, out)
+                    rec["error"] = error_text(e)
+                emit(rec)
 
 
 # -- training step of a MoE stack ----------------------------------------------------------------
@@ -200,7 +199,7 @@ class MoEStack(nn.Module):
         return scanned(self.cfg, name="moe")(h, None)[0]
 
 
-def bench_step(shape, dispatches, gmm, args, out):
+def bench_step(shape, dispatches, gmm, args, emit):
     results = {}
     for devices in (1, 2):
         if devices > len(jax.devices()):
@@ -218,7 +217,7 @@ def bench_step(shape, dispatches, gmm, args, out):
                 if name == "ragged" and devices > 1:
                     continue
                 if split_name(name)[0] == "ragged_all_to_all" and jax.default_backend() == "cpu":
-                    emit({**rec, "skipped": "no CPU lowering"}, out)
+                    emit({**rec, "skipped": "no CPU lowering"})
                     continue
                 try:
                     model = MoEStack(model_config(shape, name, gmm), shape["layers"], stack)
@@ -231,14 +230,14 @@ def bench_step(shape, dispatches, gmm, args, out):
                     if devices == 2:
                         rec.update(speedups(results, name, stack))
                 except Exception as e:  # noqa: BLE001
-                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
-                emit(rec, out)
+                    rec["error"] = error_text(e)
+                emit(rec)
     ones = [v for (d, *_), v in results.items() if d == 1]
     twos = [v for (d, *_), v in results.items() if d == 2]
     if ones and twos:
         emit({"bench": "summary", "best_1gpu_tokens_per_s": max(ones),
               "best_2gpu_tokens_per_s": max(twos), "speedup": max(twos) / max(ones),
-              "target": 1.8, "met": max(twos) / max(ones) >= 1.8}, out)
+              "target": 1.8, "met": max(twos) / max(ones) >= 1.8})
 
 
 def speedups(results: dict, name: str, stack: str) -> dict:
@@ -325,17 +324,15 @@ def main(argv=None) -> None:
     dispatches = [d for d in args.dispatches.split(",") if d]
     gmms = [g for g in args.gmm.split(",") if g]
     skip = set(args.skip.split(","))
-    out = open(args.out, "a") if args.out else None
-    emit({"bench": "setup", "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
-          **shape}, out)
-    if "grouped_matmul" not in skip:
-        bench_grouped_matmul(shape, gmms, args, out)
-    if "dispatch" not in skip:
-        bench_dispatch(shape, dispatches, gmms, args, out)
-    if "step" not in skip:
-        bench_step(shape, dispatches, args.step_gmm, args, out)
-    if out is not None:
-        out.close()
+    with output(args.out) as emit:
+        emit({"bench": "setup", "devices": [str(d) for d in jax.devices()],
+              "jax": jax.__version__, **shape})
+        if "grouped_matmul" not in skip:
+            bench_grouped_matmul(shape, gmms, args, emit)
+        if "dispatch" not in skip:
+            bench_dispatch(shape, dispatches, gmms, args, emit)
+        if "step" not in skip:
+            bench_step(shape, dispatches, args.step_gmm, args, emit)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import emit  # noqa: E402
+from _timing import output  # noqa: E402
 
 from k3jax.config import ResidualConfig  # noqa: E402
 from k3jax.generate import cache_bytes, decode, init_cache, prefill  # noqa: E402
@@ -65,7 +65,7 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_prefill(name, cfg, variables, t, chunk, repeats, out):
+def bench_prefill(name, cfg, variables, t, chunk, repeats, emit):
     tokens = _tokens(cfg, 1, t)
     run = lambda: prefill(cfg, variables, tokens, init_cache(cfg, 1, t), chunk=chunk)  # noqa: E731
     t0 = time.perf_counter()
@@ -77,10 +77,10 @@ def bench_prefill(name, cfg, variables, t, chunk, repeats, out):
     secs = _median_s(lambda: run()[0], repeats)
     emit({"bench": "prefill", "model": name, "T": t, "chunk": chunk, "prefill_s": secs,
           "first_call_s": first, "cache_bytes": nbytes, "kv_throughput_GBps": nbytes / secs / 1e9,
-          "tokens_per_s": t / secs}, out)
+          "tokens_per_s": t / secs})
 
 
-def bench_decode(name, cfg, variables, batch, context, steps, out):
+def bench_decode(name, cfg, variables, batch, context, steps, emit):
     cache = init_cache(cfg, batch, context)
     # a full-looking cache: decode cost does not depend on the cached values
     cache = cache._replace(segments=jnp.ones_like(cache.segments).at[:, -steps - 4:].set(-1),
@@ -107,7 +107,7 @@ def bench_decode(name, cfg, variables, batch, context, steps, out):
           "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s, "first_call_s": first,
           "weight_bytes": weights, "cache_bytes": kda_mla, "bytes_per_step": read,
           "achieved_TBps": read / step_s / 1e12,
-          "fraction_of_h200_bw": read / step_s / H200_BYTES_PER_S}, out)
+          "fraction_of_h200_bw": read / step_s / H200_BYTES_PER_S})
 
 
 def _kda_arrays(cache):
@@ -116,7 +116,7 @@ def _kda_arrays(cache):
     return [a for c in flat if isinstance(c, KDACache) for a in c]
 
 
-def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, out):
+def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, emit):
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, cfg.vocab_size, shared).astype(np.int32)
     tail = rng.integers(0, cfg.vocab_size, suffix).astype(np.int32)
@@ -138,7 +138,7 @@ def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, out):
     warm_s = _median_s(warm, repeats)
     emit({"bench": "ttft", "model": name, "shared": shared, "suffix": suffix,
           "cold_ms": cold_s * 1e3, "prefix_hit_ms": warm_s * 1e3, "speedup": cold_s / warm_s,
-          "snapshot_bytes": snap.nbytes}, out)
+          "snapshot_bytes": snap.nbytes})
 
 
 def main(argv=None) -> int:
@@ -156,24 +156,27 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    out = open(args.out, "a") if args.out else None
-    emit({"bench": "device", "device": str(jax.devices()[0]), "preset": args.preset}, out)
-    for name, cfg in models(args.preset).items():
-        if name not in args.models.split(","):
-            continue
-        t0 = time.perf_counter()
-        variables = jax.jit(lambda r, c=cfg: init_variables(c, r))(jax.random.key(0))
-        variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16)
-                                 if a.dtype == jnp.float32 and a.ndim >= 2 else a, variables)
-        emit({"bench": "init", "model": name, "layers": "".join(x[0].upper()
-                                                                for x in cfg.layer_types),
-              "seconds": time.perf_counter() - t0}, out)
-        for t in (int(s) for s in args.seqs.split(",")):
-            bench_prefill(name, cfg, variables, t, min(args.chunk, t), args.repeats, out)
-        for b in (int(s) for s in args.batches.split(",")):
-            bench_decode(name, cfg, variables, b, args.context, args.steps, out)
-        bench_ttft(name, cfg, variables, args.shared, args.suffix, args.chunk, args.repeats, out)
+    with output(args.out) as emit:
+        emit({"bench": "device", "device": str(jax.devices()[0]), "preset": args.preset})
+        for name, cfg in models(args.preset).items():
+            if name in args.models.split(","):
+                bench_model(name, cfg, args, emit)
     return 0
+
+
+def bench_model(name, cfg, args, emit):
+    """Every measurement of one model."""
+    t0 = time.perf_counter()
+    variables = jax.jit(lambda r: init_variables(cfg, r))(jax.random.key(0))
+    variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16)
+                             if a.dtype == jnp.float32 and a.ndim >= 2 else a, variables)
+    emit({"bench": "init", "model": name, "layers": "".join(x[0].upper() for x in cfg.layer_types),
+          "seconds": time.perf_counter() - t0})
+    for t in (int(s) for s in args.seqs.split(",")):
+        bench_prefill(name, cfg, variables, t, min(args.chunk, t), args.repeats, emit)
+    for b in (int(s) for s in args.batches.split(",")):
+        bench_decode(name, cfg, variables, b, args.context, args.steps, emit)
+    bench_ttft(name, cfg, variables, args.shared, args.suffix, args.chunk, args.repeats, emit)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 from _data import packed_segments
-from _timing import emit, timed
+from _timing import kernels_vs_xla, output
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.short_conv import conv_silu
@@ -51,22 +51,13 @@ def main() -> None:
     w = jax.random.normal(kw, (4, c), jnp.float32) / 2
     dout = jax.random.normal(kd, (b, t, c), jnp.bfloat16)
     gb = x.size * x.dtype.itemsize / 1e9
-    out = open(args.out, "a") if args.out else None
-    for docs in map(int, args.docs.split(",")):
-        seg = jnp.asarray(packed_segments(b, t, docs))
-        times = {}
-        for impl in ("pallas", "reference"):
-            fwd, grad = paths(impl, args.head_dim)
-            times[impl] = (timed(fwd, (x, w, seg), 20, 5),
-                           timed(grad, (x, w, seg, dout), 20, 5))
-        for impl, (f, fb) in times.items():
-            emit({"bench": "short_conv", "path": "kernels" if impl == "pallas" else "xla",
-                  "shape": [b, t, c], "docs": docs, "head_dim": args.head_dim,
-                  "fwd_ms": round(f, 4),
-                  "fwd_bwd_ms": round(fb, 4), "fwd_TB_s": round(2 * gb / f, 2),
-                  "fwd_bwd_TB_s": round(5 * gb / fb, 2),
-                  "xla_over_this": [round(times["reference"][0] / f, 2),
-                                    round(times["reference"][1] / fb, 2)]}, out)
+    programs = {"kernels": paths("pallas", args.head_dim), "xla": paths("reference", args.head_dim)}
+    with output(args.out) as emit:
+        for docs in map(int, args.docs.split(",")):
+            seg = jnp.asarray(packed_segments(b, t, docs))
+            kernels_vs_xla(programs, (x, w, seg), dout, (2 * gb, 5 * gb),
+                           {"bench": "short_conv", "shape": [b, t, c], "docs": docs,
+                            "head_dim": args.head_dim}, emit)
 
 
 if __name__ == "__main__":
