@@ -34,9 +34,12 @@ def error_text(e: BaseException, limit: int = 500) -> str:
     return f"{type(e).__name__}: {e}"[:limit]
 
 
-def timed(fn, args, iters: int, repeats: int) -> float:
-    """Median milliseconds per call of ``fn(*args)``; the first call (compile) is not timed."""
-    jax.block_until_ready(fn(*args))
+def timed(fn, args, iters: int, repeats: int, warm_up: bool = True) -> float:
+    """Median milliseconds per call of ``fn(*args)`` over ``repeats`` batches of ``iters`` calls.
+    A first call (compile) comes before, untimed; ``warm_up=False`` leaves it out, for a caller
+    that has made (and timed) that call itself."""
+    if warm_up:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

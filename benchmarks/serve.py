@@ -24,23 +24,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import output, timed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import output  # noqa: E402
-
-from k3jax.config import ResidualConfig  # noqa: E402
-from k3jax.generate import cache_bytes, decode, init_cache, prefill  # noqa: E402
-from k3jax.generate.prefix_cache import PrefixCache  # noqa: E402
-from k3jax.layers.kda import KDACache  # noqa: E402
-from k3jax.model import init_variables  # noqa: E402
+from k3jax.config import ResidualConfig
+from k3jax.generate import cache_bytes, decode, init_cache, prefill
+from k3jax.generate.prefix_cache import PrefixCache
+from k3jax.layers.kda import KDACache
+from k3jax.model import init_variables
 
 H200_BYTES_PER_S = 4.8e12
 
@@ -56,15 +52,6 @@ def _tokens(cfg, b, t, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_prefill(name, cfg, variables, t, chunk, repeats, emit):
     tokens = _tokens(cfg, 1, t)
     run = lambda: prefill(cfg, variables, tokens, init_cache(cfg, 1, t), chunk=chunk)  # noqa: E731
@@ -74,7 +61,7 @@ def bench_prefill(name, cfg, variables, t, chunk, repeats, emit):
     first = time.perf_counter() - t0
     nbytes = cache_bytes(cache)
     del cache
-    secs = _median_s(lambda: run()[0], repeats)
+    secs = timed(lambda: run()[0], (), 1, repeats, warm_up=False) / 1e3
     emit({"bench": "prefill", "model": name, "T": t, "chunk": chunk, "prefill_s": secs,
           "first_call_s": first, "cache_bytes": nbytes, "kv_throughput_GBps": nbytes / secs / 1e9,
           "tokens_per_s": t / secs})
@@ -86,17 +73,24 @@ def bench_decode(name, cfg, variables, batch, context, steps, emit):
     cache = cache._replace(segments=jnp.ones_like(cache.segments).at[:, -steps - 4:].set(-1),
                            positions=jnp.full_like(cache.positions, context - steps - 4),
                            length=jnp.asarray(context - steps - 4, jnp.int32))
-    token = jnp.zeros((batch,), jnp.int32)
+
+    def step(logits, cache):
+        # The next token is picked on the device, as a server would: its argmax is part of the
+        # step, so the warm-up below runs this very function (the argmax compiles once per batch
+        # shape, and the first model timed would otherwise pay it inside the timed loop).
+        return decode(cfg, variables, jnp.argmax(logits, -1).astype(jnp.int32), cache)
+
+    logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)  # -> token 0 in every row
     t0 = time.perf_counter()
-    logits, cache = decode(cfg, variables, token, cache)
+    logits, cache = step(logits, cache)
     jax.block_until_ready(logits)
     first = time.perf_counter() - t0
     for _ in range(2):
-        logits, cache = decode(cfg, variables, token, cache)
+        logits, cache = step(logits, cache)
     jax.block_until_ready(logits)
     t0 = time.perf_counter()
     for _ in range(steps):
-        logits, cache = decode(cfg, variables, jnp.argmax(logits, -1).astype(jnp.int32), cache)
+        logits, cache = step(logits, cache)
     jax.block_until_ready(logits)
     step_s = (time.perf_counter() - t0) / steps
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(variables))
@@ -124,8 +118,7 @@ def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, emit):
     max_len = shared + suffix
     cold = lambda: prefill(cfg, variables, request[None], init_cache(cfg, 1, max_len),  # noqa: E731
                            chunk=chunk)[0]
-    jax.block_until_ready(cold())
-    cold_s = _median_s(cold, repeats)
+    cold_s = timed(cold, (), 1, repeats) / 1e3
     store = PrefixCache(cfg, max_len, grid=shared, budget_bytes=1 << 40)
     store.prefill(variables, prefix, chunk=chunk)  # the shared prompt's snapshot
     snap = store.lookup(request)
@@ -134,8 +127,7 @@ def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, emit):
         cache = store.restore(snap)
         return prefill(cfg, variables, request[None, shared:], cache, chunk=chunk)[0]
 
-    jax.block_until_ready(warm())
-    warm_s = _median_s(warm, repeats)
+    warm_s = timed(warm, (), 1, repeats) / 1e3
     emit({"bench": "ttft", "model": name, "shared": shared, "suffix": suffix,
           "cold_ms": cold_s * 1e3, "prefix_hit_ms": warm_s * 1e3, "speedup": cold_s / warm_s,
           "snapshot_bytes": snap.nbytes})

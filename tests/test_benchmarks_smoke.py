@@ -282,6 +282,24 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
         assert packed["max_abs_diff_vs_masked"] == 0.0
 
 
+def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache():
+    """Both models' prefill, decode and time-to-first-token lines, each with what it implies
+    (tokens/s from the step time, the bytes a step reads) consistent with its own fields."""
+    rows = _run(["benchmarks/serve.py", "--preset", "k3_tiny", "--seqs", "32", "--chunk", "16",
+                 "--batches", "2", "--context", "64", "--steps", "2", "--shared", "32",
+                 "--suffix", "8", "--repeats", "1"], 300)
+    lines = {(r["bench"], r.get("model")): r for r in rows}
+    assert {r["layers"] for r in rows if r["bench"] == "init"} == {"KKKM", "MMMM"}
+    for model in ("hybrid", "pure_mla"):
+        prefill, decode, ttft = (lines[bench, model] for bench in ("prefill", "decode", "ttft"))
+        assert prefill["T"] == 32 and prefill["prefill_s"] > 0 and prefill["cache_bytes"] > 0
+        assert prefill["tokens_per_s"] == pytest.approx(32 / prefill["prefill_s"])
+        assert decode["batch"] == 2 and 0 < decode["step_ms"] < 1e3 * decode["first_call_s"]
+        assert decode["tokens_per_s"] == pytest.approx(2e3 / decode["step_ms"])
+        assert decode["bytes_per_step"] >= decode["weight_bytes"] + decode["cache_bytes"] > 0
+        assert ttft["cold_ms"] > 0 and ttft["prefix_hit_ms"] > 0 and ttft["snapshot_bytes"] > 0
+
+
 def test_kernels_are_sorted_into_categories_by_name():
     """Inside XLA's command buffers a kernel has no instruction to look up: Mosaic GPU kernels and
     k3jax's Triton kernels (also when XLA numbers a second kernel of one name) go by their names."""
