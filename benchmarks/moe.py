@@ -155,12 +155,14 @@ def bench_dispatch(shape, dispatches, gmms, args, emit):
                     loss = lambda x, w, ew, f=f: jnp.sum(  # noqa: E731
                         f(x, ids, w, ew)[0].astype(jnp.float32))
                     with kp.use_mesh(mesh, rules):
-                        fwd = jax.jit(lambda x, w, ew, f=f: f(x, ids, w, ew))
-                        both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                        y, dropped = fwd(x, w, ew)
+                        fwd, fwd_args = compile_for(lambda x, w, ew, f=f: f(x, ids, w, ew),
+                                                    (x, w, ew))
+                        both, both_args = compile_for(jax.grad(loss, argnums=(0, 1, 2)),
+                                                      (x, w, ew))
+                        y, dropped = fwd(*fwd_args)
                         rec["dropped_fraction"] = int(dropped) / ids.size
-                        rec["fwd_ms"] = timed(fwd, (x, w, ew), args.iters, args.repeats)
-                        rec["fwd_bwd_ms"] = timed(both, (x, w, ew), args.iters, args.repeats)
+                        rec["fwd_ms"] = timed(fwd, fwd_args, args.iters, args.repeats)
+                        rec["fwd_bwd_ms"] = timed(both, both_args, args.iters, args.repeats)
                     err = rel_rms(ref.astype(jnp.float32), y.astype(jnp.float32))
                     rec["rel_rms_vs_ragged"] = err
                     if cf is None:              # with a capacity factor, drops change the result
@@ -168,6 +170,15 @@ def bench_dispatch(shape, dispatches, gmms, args, emit):
                 except Exception as e:  # noqa: BLE001
                     rec["error"] = error_text(e)
                 emit(rec)
+
+
+def compile_for(fn, args: tuple):
+    """``fn`` jitted and compiled for ``args``, and ``args`` laid out as that program takes them.
+    The inputs are made on the first device; left there, every call of a program sharding them
+    over two would first move them (at full size, hundreds of MB of tokens and expert weights)
+    inside the timed region."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, jax.device_put(args, compiled.input_shardings[0])
 
 
 # -- training step of a MoE stack ----------------------------------------------------------------
@@ -236,8 +247,7 @@ def bench_step(shape, dispatches, gmm, args, emit):
     twos = [v for (d, *_), v in results.items() if d == 2]
     if ones and twos:
         emit({"bench": "summary", "best_1gpu_tokens_per_s": max(ones),
-              "best_2gpu_tokens_per_s": max(twos), "speedup": max(twos) / max(ones),
-              "target": 1.8, "met": max(twos) / max(ones) >= 1.8})
+              "best_2gpu_tokens_per_s": max(twos), "speedup": max(twos) / max(ones)})
 
 
 def speedups(results: dict, name: str, stack: str) -> dict:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from suite_env import subprocess_env
 
+from k3jax.ops.tolerance import BF16_OUT_TOL
+
 ROOT = Path(__file__).resolve().parents[1]
 # k3_tiny cut to one KDA and one MLA layer (dense FFN, then MoE; one AttnRes block) with KDA chunks
 # of 16, so a 32-token sequence still spans two chunks: every part, half the compile time.
@@ -66,18 +68,24 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
     assert (out / "hlo.txt.gz").stat().st_size > 0
 
 
-def test_moe_benchmark_step_runs_on_two_cpu_devices():
-    """The step benchmark on 1 and 2 devices with one dispatch (every dispatch runs the same
-    benchmark code; each dispatch is checked against one device in tests/test_ep_dispatch.py)
-    and its capacity-factor suffix."""
+def test_moe_benchmark_dispatch_and_step_run_on_two_cpu_devices():
+    """The dispatch alone and the step benchmark on 1 and 2 devices with one dispatch (every
+    dispatch runs the same benchmark code; each dispatch is checked against one device in
+    tests/test_ep_dispatch.py) and its capacity-factor suffix."""
     dispatches = ("ring@1.125",)
-    rows = _run(["benchmarks/moe.py", "--tiny", "--skip", "grouped_matmul,dispatch",
+    rows = _run(["benchmarks/moe.py", "--tiny", "--skip", "grouped_matmul", "--gmm", "ragged_dot",
                  "--dispatches", ",".join(dispatches), "--iters", "1", "--repeats", "1"])
-    steps = [r for r in rows if r.get("bench") == "moe_step"]
-    for dispatch in dispatches:
-        assert {r["devices"] for r in steps if r["dispatch"] == dispatch} == {1, 2}, dispatch
-    assert all(r["tokens_per_s"] > 0 for r in steps)
-    assert any(r.get("bench") == "summary" for r in rows)
+    for bench in ("dispatch", "moe_step"):
+        lines = [r for r in rows if r.get("bench") == bench]
+        for dispatch in dispatches:
+            assert {r["devices"] for r in lines if r["dispatch"] == dispatch} == {1, 2}, bench
+    for line in (r for r in rows if r.get("bench") == "dispatch"):
+        assert line["fwd_ms"] > 0 and line["fwd_bwd_ms"] > 0
+        assert line["dropped_fraction"] > 0 or line["rel_rms_vs_ragged"] <= BF16_OUT_TOL, line
+    assert all(r["tokens_per_s"] > 0 for r in rows if r.get("bench") == "moe_step")
+    (summary,) = [r for r in rows if r.get("bench") == "summary"]
+    assert summary["speedup"] > 0 and set(summary) == {
+        "bench", "best_1gpu_tokens_per_s", "best_2gpu_tokens_per_s", "speedup"}
 
 
 def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
