@@ -290,6 +290,28 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
         assert packed["max_abs_diff_vs_masked"] == 0.0
 
 
+def test_attnres_benchmark_compares_the_residual_rules():
+    """Plain residual and AttnRes on one remat policy: each variant's compile stages, memory and
+    step time, then AttnRes over plain, the ratios from the two lines."""
+    rows = _run(["benchmarks/attnres.py", "--preset", "k3_tiny", *TINY_MODEL, "--no-moe",
+                 "--seq", "32", "--remat", "none", "--repeats", "1"], 300)
+    variants = {r["residual"]: r for r in rows if r["bench"] == "attnres"}
+    assert set(variants) == {"plain", "attnres"}
+    for line in variants.values():
+        assert line["step_ms"] > 0 and line["temp_MiB"] > 0 and line["argument_MiB"] > 0
+        assert 0 < line["compile_s"] <= line["total_s"]
+        assert line["total_s"] == pytest.approx(
+            line["trace_s"] + line["lower_s"] + line["compile_s"], abs=0.02)
+    plain, attnres = variants["plain"], variants["attnres"]
+    assert plain["block_sublayers"] is None and attnres["block_sublayers"] == 4
+    (cmp,) = [r for r in rows if r["bench"] == "attnres_vs_plain"]
+    assert cmp["extra_params"] == attnres["params"] - plain["params"] > 0
+    assert cmp["step_time_ratio"] == pytest.approx(attnres["step_ms"] / plain["step_ms"],
+                                                   abs=1e-3)
+    assert cmp["compile_time_ratio"] == pytest.approx(attnres["total_s"] / plain["total_s"],
+                                                      abs=1e-3)
+
+
 def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache():
     """Both models' prefill, decode and time-to-first-token lines, each with what it implies
     (tokens/s from the step time, the bytes a step reads) consistent with its own fields."""
