@@ -4,9 +4,10 @@ One JSON line per (implementation, shape) with forward and forward+backward medi
 each peer's time over ours, and our achieved TFLOP/s and GB/s against the H200 roofline.
 
 Inputs: bf16 q, k, v (q, k L2-normalised before timing, so no implementation pays for
-it), lower-bound gate ``g = -5 sigmoid(f)`` in fp32, ``beta = sigmoid(.)``, no initial state,
+it), lower-bound gate ``g = -5 sigmoid(f)`` and ``beta = sigmoid(.)`` in fp32, no initial state,
 chunk 64. JAX paths are jitted and timed as the median of 5 batches of 10 calls after compilation
-(host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median).
+(host clock around ``block_until_ready``); fla with ``triton.testing.do_bench`` (median). A
+summary table follows on stderr.
 
     python benchmarks/kda.py [--shapes 1,8192,16,128 ...] [--impls ours_pallas,jla,fla]
                              [--out results.jsonl] [--breakdown [B,T,H,D]] [--profile DIR]
@@ -56,11 +57,6 @@ def make_inputs(b, t, h, d, seed=0):
     return q, k, v, g, beta
 
 
-def time_jax(fn, args, iters: int = 10, repeats: int = 5):
-    """Median ms per call: ``repeats`` batches of ``iters`` calls after the compiling call."""
-    return timed(fn, args, iters=iters, repeats=repeats)
-
-
 def jax_pair(op, args, iters: int = 10, repeats: int = 5):
     """(fwd ms, fwd+bwd ms) of a JAX ``op(q, k, v, g, beta) -> o``."""
     fwd = jax.jit(op)
@@ -69,7 +65,7 @@ def jax_pair(op, args, iters: int = 10, repeats: int = 5):
         return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32))
 
     fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    return time_jax(fwd, args, iters, repeats), time_jax(fb, args, iters, repeats)
+    return timed(fwd, args, iters, repeats), timed(fb, args, iters, repeats)
 
 
 def ours(q, k, v, g, beta):
@@ -94,7 +90,7 @@ def fla_pair(args):
 
     tq, tk, tv, tg, tb = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda() for x in args)
     tq, tk, tv = (x.to(torch.bfloat16).requires_grad_() for x in (tq, tk, tv))
-    tg, tb = tg.requires_grad_(), tb.to(torch.bfloat16).requires_grad_()
+    tg, tb = tg.requires_grad_(), tb.requires_grad_()  # fp32, as the JAX paths get them
     scale = tq.shape[-1] ** -0.5
     fwd = lambda: chunk_kda(tq, tk, tv, tg, tb, scale=scale)[0]
 
@@ -128,7 +124,7 @@ def breakdown(args, iters: int = 10, repeats: int = 5):
     bwd_k = jax.jit(lambda *a: state_bwd(*a, chunk_size=CHUNK))
     bin_ = (kin[0], kin[1], kin[2], kin[4], p.gamma, st, vt, o, fin)
     prep_vjp = jax.jit(lambda *a: jax.vjp(prep, *a)[1](p))
-    timed_ms = lambda fn, a: time_jax(fn, a, iters, repeats)  # noqa: E731
+    timed_ms = lambda fn, a: timed(fn, a, iters, repeats)  # noqa: E731
     return {"prep_fwd_ms": timed_ms(jax.jit(prep), args),
             "state_fwd_kernel_ms": timed_ms(fwd_k, kin),
             "state_bwd_kernel_ms": timed_ms(bwd_k, bin_),
@@ -192,11 +188,13 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     with output(a.out) as emit:
         results = _run(a, shapes, emit)
-    print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")))
+    # A table for the eye, on stderr: stdout holds the JSON lines alone.
+    print("summary: shape | " + " | ".join(f"{n} fwd, fwd+bwd ms" for n in a.impls.split(",")),
+          file=sys.stderr)
     for shape in shapes:
         cells = [("%.3f, %.3f" % results[n, shape]) if (n, shape) in results else "-"
                  for n in a.impls.split(",")]
-        print(shape, "|", " | ".join(cells))
+        print(shape, "|", " | ".join(cells), file=sys.stderr)
 
 
 def _run(a, shapes, emit) -> dict:

@@ -9,8 +9,8 @@ layout with ``expert`` above 1 takes ``--expert-dispatch`` (the MoE's tokens tra
 experts' devices) unless ``--set model.moe.dispatch=...`` says otherwise. Points whose devices fit
 beside each other start together and compile side by side, and each times and traces its steps
 alone (``step_profile.py --serialize-with``); other points may still be compiling on the host
-meanwhile, which ``--sequential`` (one point at a time) rules out. One JSON line per point, then
-a table::
+meanwhile, which ``--sequential`` (one point at a time) rules out. One JSON line per point (and
+a table of them on stderr)::
 
     {"bench": "scale_out", "layout": "fsdp=2,expert=4", "devices": 8, "batch": 128,
      "tokens_per_s": ..., "tokens_per_s_per_device": ..., "step_ms": ..., "mfu": ...,
@@ -270,7 +270,7 @@ def main(argv=None) -> None:
                                  for p in points])
     for line in lines:
         emit(line)
-    print(table(lines))
+    print(table(lines), file=sys.stderr)  # for the eye: stdout holds the JSON lines alone
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def _call(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 def _run(args: list[str], timeout: int = 600) -> list[dict]:
     out = _call(args, timeout)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    # stdout is JSON lines alone (tables and progress go to stderr)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert rows, out.stdout[-2000:]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
