@@ -9,7 +9,7 @@ rule (the AttnRes queries and key-norm weights exist only in the AttnRes model).
 compile of the first variant comes first: the process's first compile carries one-off costs that
 would otherwise count against whichever variant is measured first.
 
-    python benchmarks/attnres.py [--preset k3_small] [--batch 1] [--seq 256] [--no-moe]
+    python benchmarks/attnres.py [--config k3_small] [--batch 1] [--seq 256] [--no-moe]
                                  [--remat none,full] [--block-layers N] [--set model.KEY=VALUE]
                                  [--out results.jsonl]
 """
@@ -17,7 +17,6 @@ would otherwise count against whichever variant is measured first.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from _timing import compile_stages, output, timed
 
 from k3jax.config import ResidualConfig
-from k3jax.config.experiment import apply_overrides
+from k3jax.config.experiment import apply_overrides, load_config, preset_path
 from k3jax.model import K3Model, init_variables
 from k3jax.stack import plan_segments
 
@@ -80,7 +79,7 @@ def measure(cfg, batch: int, seq: int, repeats: int) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="k3_small")
+    p.add_argument("--config", default="k3_small", help="a preset's name or a config file")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--remat", default="none,full")
@@ -93,8 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    base = apply_overrides(importlib.import_module(f"configs.{args.preset}").get_config(),
-                           args.overrides).model
+    base = apply_overrides(load_config(preset_path(args.config)), args.overrides).model
     remats = args.remat.split(",")
     configs = {(remat, residual): variant_config(base, residual, remat, args.block_layers,
                                                  args.no_moe)
@@ -113,7 +111,7 @@ def main(argv=None) -> None:
                 cfg = configs[remat, residual]
                 plans = plan_segments(cfg)
                 row[residual] = {
-                    "bench": "attnres", "preset": args.preset, "backend": jax.default_backend(),
+                    "bench": "attnres", "preset": args.config, "backend": jax.default_backend(),
                     "residual": residual, "block_sublayers": cfg.residual.block_sublayers,
                     "remat": remat, "moe": cfg.moe is not None, "batch": args.batch,
                     "seq": args.seq, "dtype": cfg.dtype, "scans": sum(p.repeats > 0 for p in plans),

@@ -52,7 +52,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -68,7 +67,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 jax.config.update("jax_enable_compilation_cache", False)
 
-from k3jax.config.experiment import apply_overrides  # noqa: E402
+from k3jax.config.experiment import apply_overrides, load_config, preset_path  # noqa: E402
 from k3jax.devices import hopper_target  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
 from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
@@ -226,7 +225,7 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="k3_small", help="module in configs/ (get_config())")
+    ap.add_argument("--config", default="k3_small", help="a preset's name or a config file")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batches", type=int, default=None,
@@ -250,8 +249,7 @@ def main(argv=None) -> None:
         if o not in ("adamw", "muon"):
             ap.error(f"--optimizers: unknown optimiser {o!r}; expected adamw, muon")
 
-    cfg = importlib.import_module(f"configs.{args.preset}").get_config()
-    cfg = apply_overrides(cfg, args.overrides)
+    cfg = apply_overrides(load_config(preset_path(args.config)), args.overrides)
     if args.micro_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batches=args.micro_batches))
@@ -259,7 +257,7 @@ def main(argv=None) -> None:
     jobs = [(p, None) for p in parts if p != "step"]
     jobs += [("step", o) for o in opts] if "step" in parts else []
     for part, opt in jobs:
-        row = {"part": part, "optimizer": opt, "preset": args.preset, "batch": args.batch,
+        row = {"part": part, "optimizer": opt, "preset": args.config, "batch": args.batch,
                "seq": args.seq, "micro_batches": cfg.train.micro_batches,
                "overrides": args.overrides,
                "backend": jax.default_backend()}

@@ -12,18 +12,17 @@ JSON lines, one per measurement:
   tokens, without and with a prefix-cache hit on the shared prompt (the store holds the snapshot at
   its end).
 
-Both models take ``--preset``'s widths (default k3_small) with a dense FFN and the plain residual
+Both models take ``--config``'s widths (default k3_small) with a dense FFN and the plain residual
 (neither keeps anything across time, so they do not change what is measured); ``pure_mla`` makes
 every layer MLA. Compile time is reported separately and never part of a timing.
 
-    python benchmarks/serve.py [--preset k3_small] [--seqs 4096,16384,65536,131072]
+    python benchmarks/serve.py [--config k3_small] [--seqs 4096,16384,65536,131072]
                                [--batches 1,8,64] [--context 8192] [--out results.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
@@ -33,6 +32,7 @@ import numpy as np
 from _timing import output, timed
 
 from k3jax.config import ResidualConfig
+from k3jax.config.experiment import load_config, preset_path
 from k3jax.generate import cache_bytes, decode, init_cache, prefill
 from k3jax.generate.prefix_cache import PrefixCache
 from k3jax.layers.kda import KDACache
@@ -41,8 +41,8 @@ from k3jax.model import init_variables
 H200_BYTES_PER_S = 4.8e12
 
 
-def models(preset: str):
-    base = importlib.import_module(f"configs.{preset}").model_config()
+def models(config: str):
+    base = load_config(preset_path(config)).model
     base = base.replace(moe=None, first_k_dense=base.num_layers,
                         residual=ResidualConfig(kind="plain"), dtype="bfloat16")
     return {"hybrid": base, "pure_mla": base.replace(mla_every=1)}
@@ -136,7 +136,7 @@ def bench_ttft(name, cfg, variables, shared, suffix, chunk, repeats, emit):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="k3_small")
+    p.add_argument("--config", default="k3_small", help="a preset's name or a config file")
     p.add_argument("--models", default="hybrid,pure_mla")
     p.add_argument("--seqs", default="4096,16384,65536,131072")
     p.add_argument("--chunk", type=int, default=2048)
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     with output(args.out) as emit:
-        emit({"bench": "device", "device": str(jax.devices()[0]), "preset": args.preset})
-        for name, cfg in models(args.preset).items():
+        emit({"bench": "device", "device": str(jax.devices()[0]), "preset": args.config})
+        for name, cfg in models(args.config).items():
             if name in args.models.split(","):
                 bench_model(name, cfg, args, emit)
     return 0

@@ -128,7 +128,7 @@ def test_scale_out_names_a_bad_layout():
 
 
 def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
-    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "1",
+    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "1",
                  "--seq", "32", "--parts", "forward", "--phases", str(tmp_path), "--top", "20"])
     (row,) = [r for r in rows if "compile_s" in r]
     assert row["part"] == "forward" and row["compile_s"] > 0 and row["temp_GiB"] is not None
@@ -143,7 +143,7 @@ def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
 @pytest.mark.parametrize("how", [[], ["--one-program"]], ids=["as_the_loop", "one_program"])
 def test_compile_time_of_the_train_step(how):
     """``--parts step``: the loop's two programs compiled at once, or the step as one program."""
-    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL, "--batch", "2",
+    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "2",
                  "--seq", "32", "--parts", "step", "--optimizers", "adamw", *how])
     (row,) = [r for r in rows if "compile_s" in r]
     assert row["part"] == "step" and "error" not in row
@@ -155,7 +155,7 @@ def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
     """``--parts kernels`` on the Pallas KDA path: its nine kernels (forward and backward) found
     in the gradient, each once, and the short convolutions' (q and k normalising, v not; the
     input gradient shared), each lowered for sm_90 (compiled only where there is a GPU)."""
-    rows = _run(["benchmarks/compile_time.py", "--preset", "k3_tiny", *TINY_MODEL[:4],
+    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *TINY_MODEL[:4],
                  "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
                  "--batch", "1", "--seq", "64", "--parts", "kernels"])
     kernels = {r["kernel"]: r for r in rows if "kernel" in r}
@@ -294,7 +294,7 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
 def test_attnres_benchmark_compares_the_residual_rules():
     """Plain residual and AttnRes on one remat policy: each variant's compile stages, memory and
     step time, then AttnRes over plain, the ratios from the two lines."""
-    rows = _run(["benchmarks/attnres.py", "--preset", "k3_tiny", *TINY_MODEL, "--no-moe",
+    rows = _run(["benchmarks/attnres.py", "--config", "k3_tiny", *TINY_MODEL, "--no-moe",
                  "--seq", "32", "--remat", "none", "--repeats", "1"], 300)
     variants = {r["residual"]: r for r in rows if r["bench"] == "attnres"}
     assert set(variants) == {"plain", "attnres"}
@@ -316,7 +316,7 @@ def test_attnres_benchmark_compares_the_residual_rules():
 def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache():
     """Both models' prefill, decode and time-to-first-token lines, each with what it implies
     (tokens/s from the step time, the bytes a step reads) consistent with its own fields."""
-    rows = _run(["benchmarks/serve.py", "--preset", "k3_tiny", "--seqs", "32", "--chunk", "16",
+    rows = _run(["benchmarks/serve.py", "--config", "k3_tiny", "--seqs", "32", "--chunk", "16",
                  "--batches", "2", "--context", "64", "--steps", "2", "--shared", "32",
                  "--suffix", "8", "--repeats", "1"], 300)
     lines = {(r["bench"], r.get("model")): r for r in rows}
