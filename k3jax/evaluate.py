@@ -66,8 +66,9 @@ def evaluate_workdir(workdir: str | Path, tasks: list[str], log=print) -> dict:
     workdir = Path(workdir)
     cfg, state, meta = restore_workdir(workdir, log)
     eval_step = jax.jit(make_eval_step(K3Model(cfg.model)))
-    data = make_data(_trained_on(cfg.data, recorded_config(workdir), log), cfg.model.vocab_size,
-                     workdir, cfg.eval.batches, log=log)
+    # The checkpoint records the config as config.json does, the corpus it trained on included.
+    data = make_data(_trained_on(cfg.data, meta["config"], log), cfg.model.vocab_size, workdir,
+                     cfg.eval.batches, log=log)
     results = {"heldout": evaluate_batches(eval_step, state["params"], state["balance"],
                                            data.heldout)}
     for name, batches in task_batches(tasks, cfg.data.seq_len, cfg.data.batch_size,

@@ -32,6 +32,8 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from k3jax.config.experiment import SCHEDULE_FIELDS
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan; optax's default)
 
 NO_DECAY = ("norm", "bias", "a_log", "dt_bias", "query", "scale")
@@ -245,8 +247,8 @@ def without_schedule_numbers(cfg):
     """``cfg`` (an OptimConfig) with the numbers :func:`schedule_args` makes step data (the peak
     and floor rates, warmup and decay lengths) at their defaults: configs differing only in them
     build one train-step program, and describe it alike (the executable cache's key)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
-                if f.name in ("lr", "warmup_steps", "decay_fraction", "min_lr_ratio")}
+    numbers = set(SCHEDULE_FIELDS) - {"schedule"}  # the schedule's kind is the program's
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in numbers}
     return dataclasses.replace(cfg, **defaults)
 
 
