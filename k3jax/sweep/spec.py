@@ -185,12 +185,9 @@ class Sweep:
         _check(all(lr > 0 for lr in self.lr_grid), "Sweep", "lr_grid", self.lr_grid,
                "expected learning rates > 0")
         labels = [lr_label(lr) for lr in self.lr_grid]
-        clash = next((label for label in labels if labels.count(label) > 1), None)
-        if clash is not None:
-            same = ", ".join(repr(lr) for lr, label in zip(self.lr_grid, labels) if label == clash)
-            _check(False, "Sweep", "lr_grid", self.lr_grid,
-                   f"expected rates that differ in their first 3 significant digits, which name "
-                   f"the points and their run directories: {same} are all lr{clash}")
+        _check(len(set(labels)) == len(labels), "Sweep", "lr_grid", self.lr_grid,
+               "expected rates that differ in their first 3 significant digits, which name the "
+               f"points and their run directories (their labels: {labels})")
         _check(len(self.seeds) > 0 and len(set(self.seeds)) == len(self.seeds), "Sweep", "seeds",
                self.seeds, "expected one or more distinct seeds")
         if self.wsd_branching:
