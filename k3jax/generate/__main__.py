@@ -149,30 +149,33 @@ def _generate(args) -> int:
 class _Stream:
     """Prints one row's text as tokens arrive.
 
-    The text shown is the decode of every token so far. Both tokenizers' decodes end a UTF-8
-    sequence whose bytes are still arriving with one U+FFFD, so a trailing one is held back until a
-    later token completes the character or :meth:`finish` shows it: the printed text is then
-    exactly the decode of the whole row, as a batch prints it.
+    Tokens decode to bytes, so the text of a row is the concatenation of its pieces' texts as long
+    as each piece ends on a whole character. Both tokenizers' decodes end a UTF-8 sequence whose
+    bytes are still arriving with one U+FFFD: such a piece's tokens are held back until a later
+    token completes the character, or :meth:`finish` shows them. The printed text is then exactly
+    the decode of the whole row, as a batch prints it, each token decoded once or a few times.
     """
 
     def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], 0
+        self.tok, self.pending = tok, []
 
     def __call__(self, tokens, active) -> None:
         if not active[0]:
             return
-        self.ids.append(int(tokens[0]))
-        self._show(self._text().removesuffix(REPLACEMENT))
+        self.pending.append(int(tokens[0]))
+        text = self._text()
+        if not text.endswith(REPLACEMENT):
+            self._show(text)
 
     def finish(self) -> None:
         self._show(self._text())
 
     def _text(self) -> str:
-        return self.tok.decode(self.ids).decode("utf-8", errors="replace")
+        return self.tok.decode(self.pending).decode("utf-8", errors="replace")
 
     def _show(self, text: str) -> None:
-        print(text[self.shown:], end="", flush=True)
-        self.shown = max(self.shown, len(text))
+        print(text, end="", flush=True)
+        self.pending = []
 
 
 if __name__ == "__main__":
