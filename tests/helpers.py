@@ -198,3 +198,20 @@ def kda_correlated_keys_case(t: int = 128, d: int = 64):
     h0 = jax.random.normal(ks[4], (1, 1, d, d))
     do, dfin = jax.random.normal(ks[5], (1, t, 1, d)), jax.random.normal(ks[6], (1, 1, d, d))
     return (q, k, v, g, beta, h0), do, dfin
+
+
+def documents_of(seg_row):
+    """The token indices of each document of one row of segment ids: a document is a run of
+    equal ids (math §2), so an id that comes back starts a new one."""
+    import numpy as np
+
+    return np.split(np.arange(len(seg_row)), np.flatnonzero(np.diff(seg_row)) + 1)
+
+
+def document_numbers(seg):
+    """``[B, T]``: the document each token is in, counted from 0 in each row (numpy, the test
+    oracle of :func:`k3jax.ops.documents.document_index`)."""
+    import numpy as np
+
+    return np.stack([np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+                     for docs in map(documents_of, seg)])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import document_numbers, small_config
 
 from k3jax.config import ModelConfig, MoEConfig
 from k3jax.layers.kda import KDALayer
@@ -35,12 +35,6 @@ def _segments(middle_run: int) -> np.ndarray:
     seg[0, 10:] = 1
     seg[1, 5:5 + middle_run] = 1
     return seg
-
-
-def _documents(seg: np.ndarray) -> np.ndarray:
-    """``[B, T]`` index of each token's document: a document is a run of equal ids (math §2)."""
-    starts = np.diff(seg, axis=1) != 0
-    return np.concatenate([np.zeros((len(seg), 1), int), np.cumsum(starts, axis=1)], axis=1)
 
 
 def _variables(module, x, **kw):
@@ -105,7 +99,7 @@ def _conv_silu(u, w, doc):
 
 def _kda_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
     k = cfg.kda
-    doc = _documents(seg)
+    doc = document_numbers(seg)
     heads = functools.partial(_split_heads, head_dim=k.head_dim)
     # Steps 1-2: q = x W_q, k = x W_k, v = x W_v, each through its causal short conv and SiLU.
     q, kk, v = (heads(_conv_silu(x @ p[proj], p[conv], doc))
@@ -175,7 +169,7 @@ def _mla_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
                         axis=-1)
     # Scores times (nope + rope)^(-1/2), softmax over the token and earlier ones of its document.
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(nope + rope)
-    doc = _documents(seg)
+    doc = document_numbers(seg)
     allowed = np.tril(np.ones((T, T), bool)) & (doc[:, None, :, None] == doc[:, None, None, :])
     o = jnp.einsum("bhts,bshd->bthd",
                    jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1), v)

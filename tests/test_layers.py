@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import documents_of, small_config
 
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDALayer, kda_gate
@@ -37,12 +37,6 @@ def _segments():
     return seg
 
 
-def _documents(seg_row: np.ndarray) -> list[np.ndarray]:
-    """The token indices of each document (run of equal ids) of one row."""
-    starts = np.flatnonzero(np.diff(seg_row)) + 1
-    return np.split(np.arange(len(seg_row)), starts)
-
-
 def test_rms_norm_matches_formula():
     x = np.asarray(jax.random.normal(jax.random.key(0), (3, 7)))
     w = np.linspace(0.5, 1.5, 7, dtype=np.float32)
@@ -57,7 +51,7 @@ def test_conv_taps_never_cross_a_segment():
     conv = jax.jit(conv_silu)  # one compile per document length, not one per op
     y = np.asarray(conv(x, w, seg)[0])
     for b in range(B):
-        for idx in _documents(seg[b]):
+        for idx in documents_of(seg[b]):
             alone, _ = conv(x[b:b + 1, idx], w)
             np.testing.assert_allclose(y[b, idx], alone[0], rtol=1e-6, atol=1e-6)
 
@@ -116,7 +110,7 @@ def test_kda_layer_segments_are_independent():
     v = _init(layer, x)
     packed = np.asarray(_jit(layer)(v, x, segment_ids=seg))
     for b in range(B):  # each document alone must match its packed slice
-        for idx in _documents(seg[b]):
+        for idx in documents_of(seg[b]):
             alone = _jit(layer)(v, x[b:b + 1, idx])
             assert rel_rms(alone[0], packed[b, idx]) < FP32_TOL, (b, idx[0])
 
@@ -190,5 +184,5 @@ def test_mla_segments_are_independent():
     v = _init(layer, x)
     packed = np.asarray(_jit(layer)(v, x, segment_ids=seg))
     for b in range(B):
-        for idx in _documents(seg[b]):
+        for idx in documents_of(seg[b]):
             assert rel_rms(_jit(layer)(v, x[b:b + 1, idx])[0], packed[b, idx]) < FP32_TOL

@@ -83,7 +83,8 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
         seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):  # the kernels check
             norm = None if head_dim is None else (head_dim, L2_EPS)
-            return (conv_silu_kernels(x, w, document_index(seg), norm),
+            docs = seg if segment_ids is None else document_index(segment_ids)
+            return (conv_silu_kernels(x, w, docs, norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     _check_formula_args("conv_silu", x, w, state, head_dim, segment_ids)
     docs = None if segment_ids is None else document_index(segment_ids)
@@ -94,8 +95,8 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
 def _check_formula_args(fn, x, w, state, head_dim, segment_ids=None) -> None:
     """ValueError naming the argument of :func:`conv_silu` (``x [B, T, C]``) or
     :func:`conv_silu_step` (``x [B, C]``) that does not fit; the kernels check their own."""
-    layout = "[B, T, C]" if fn == "conv_silu" else "[B, C]"
-    if x.ndim != len(layout.split(",")):
+    layout, ndim = ("[B, T, C]", 3) if fn == "conv_silu" else ("[B, C]", 2)
+    if x.ndim != ndim:
         raise ValueError(f"{fn}: x must be {layout}, got shape {x.shape}")
     c = x.shape[-1]
     if w.ndim != 2 or w.shape[1] != c or w.shape[0] < 1:
