@@ -127,15 +127,13 @@ class MoEBlock(nn.Module):
         if mc.is_latent:
             w_down = self.param("latent_down", init(("embed", "latent")), (d, width), pdt)
             w_up = self.param("latent_up", init(("latent", "embed")), (width, d), pdt)
-            z = xf @ w_down.astype(cdt)
-            with jax.named_scope("dispatch"):  # profiles (benchmarks/scale_out.py) find it by name
-                u, dropped = dispatch(z, ids, weights, experts, GLUSpec.from_config(mc))
+        z = xf @ w_down.astype(cdt) if mc.is_latent else xf
+        with jax.named_scope("dispatch"):  # profiles (benchmarks/scale_out.py) find it by name
+            y, dropped = dispatch(z, ids, weights, experts, GLUSpec.from_config(mc))
+        if mc.is_latent:
             if mc.latent_norm:
-                u = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="latent_norm")(u)
-            y = u.astype(cdt) @ w_up.astype(cdt)
-        else:
-            with jax.named_scope("dispatch"):
-                y, dropped = dispatch(xf, ids, weights, experts, GLUSpec.from_config(mc))
+                y = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="latent_norm")(y)
+            y = y.astype(cdt) @ w_up.astype(cdt)
 
         if mc.shared_intermediate:
             y = y + GLUMLP(d, mc.shared_intermediate, mc.activation, mc.situ_beta_gate,
