@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import init, small_config
+from helpers import GENERATION_CASES, init, small_config
 
 from k3jax.model import K3Model, abstract_variables
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
@@ -74,6 +74,29 @@ def test_packed_documents_equal_documents_run_alone():
         row = jnp.concatenate([tokens[:, idx], filler[:, len(idx):]], axis=1)
         alone = _forward(cfg, v, row)[:, :len(idx)]
         assert rel_rms(alone, packed[:, idx]) < FP32_TOL
+
+
+def test_bf16_parameters_compute_what_fp32_parameters_of_the_same_values_do():
+    """``param_dtype="bfloat16"`` (weights stored in bf16, e.g. to serve a large checkpoint in half
+    the memory) changes where the weights live, not the math. Hybrid stack with MoE and AttnRes,
+    bf16 compute: every weight of the bf16 model is bf16 but the ones the spec keeps in fp32 (the
+    KDA gate's ``A_log`` and ``dt_bias``), and with the same weights (fp32 ones rounded to bf16)
+    both compute the same operations on the same values: equal logits (bit for bit on the CPU;
+    math §10's bound for the same math). A layer that computed in its parameters' dtype where the
+    spec says fp32 misses it (the KDA gate's projections in bf16: 6e-4)."""
+    cfg = small_config(**GENERATION_CASES["hybrid"]).replace(dtype="bfloat16")
+    cfg16 = cfg.replace(param_dtype="bfloat16")
+    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), init(cfg, 5))
+    shapes16 = abstract_variables(cfg16)
+    kept_fp32 = {"A_log", "dt_bias"}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes16["params"]):
+        want = jnp.float32 if path[-1].key in kept_fp32 else jnp.bfloat16
+        assert leaf.dtype == want, (jax.tree_util.keystr(path), leaf.dtype)
+    v16 = jax.tree.map(lambda x, s: x.astype(s.dtype), rounded, shapes16)
+    tokens = _tokens(5)
+    want, got = _forward(cfg, rounded, tokens), _forward(cfg16, v16, tokens)
+    assert got.dtype == jnp.float32
+    assert rel_rms(want, got) < FP32_TOL
 
 
 def _scanned_config():
