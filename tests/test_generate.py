@@ -71,3 +71,18 @@ def test_bad_requests_fail_clearly():
         decode(cfg, variables, np.ones((2,), np.int32), cache)
     with pytest.raises(ValueError, match="non-empty token lists"):
         left_pad([[1, 2], []])
+
+
+@pytest.mark.parametrize("name", ["hybrid", "mla"])
+def test_an_id_that_comes_back_starts_a_new_document_in_the_cache(name):
+    """Documents are runs of equal ids (math §2), in the cache as in training: a row packed as
+    ids 1, 2, 1 holds three documents, and the last one's queries, prefilled a piece after the
+    first (and decoded after it), must not attend to the first document's cached positions."""
+    cfg, variables = generation_case(name)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(1, cfg.vocab_size, (2, 44)).astype(np.int32)
+    runs = np.repeat(np.array([1, 2, 1]), [12, 12, 20])  # the third run starts inside piece 2
+    segments = np.broadcast_to(runs, tokens.shape).astype(np.int32)
+    want = forward_logits(cfg, variables, tokens, segments)
+    got = cached_logits(cfg, variables, tokens, segments, 40)
+    assert rel_rms(want, got) <= CACHED_FP32_TOL, name

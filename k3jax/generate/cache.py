@@ -106,15 +106,18 @@ def cache_context(cfg: ModelConfig, cache: InferenceCache, segment_ids: jax.Arra
     segments = jax.lax.dynamic_update_slice_in_dim(cache.segments, segment_ids.astype(jnp.int32),
                                                    at, 1)
     s = cache.max_len
+    # A document is a run of equal ids (math §2): each new token's document began ``positions``
+    # tokens before it, so it attends to the cache from there on. Comparing ids instead would join
+    # an id that comes back to its earlier run.
     query_at = at + jnp.arange(t)
-    mask = ((segments[:, None, None, :] == segment_ids[:, None, :, None])
-            & (jnp.arange(s)[None, None, None, :] <= query_at[None, None, :, None]))
+    doc_start = query_at[None, :] - positions
+    cols = jnp.arange(s)[None, None, None, :]
+    mask = (cols >= doc_start[:, None, :, None]) & (cols <= query_at[None, None, :, None])
     width = cfg.kda.conv_size - 1
     back = at - width + jnp.arange(width)  # the conv state's positions, oldest first
-    window = jnp.where(back >= 0, cache.segments[:, jnp.clip(back, 0, s - 1)], -1)
-    conv_keep = window == segment_ids[:, :1]
+    conv_keep = back[None, :] >= doc_start[:, :1]
     context = CacheContext(segment_ids.astype(jnp.int32), positions.astype(jnp.int32), mask,
-                           conv_keep, prev_segment == segment_ids[:, 0])
+                           conv_keep, continues[:, 0])
     advanced = cache._replace(segments=segments, positions=positions[:, -1] + 1, length=at + t)
     return context, advanced
 

@@ -8,7 +8,8 @@ one :class:`CacheContext` per call, so a mixer only masks and writes:
   first new token starts another segment they must not leak into it (``conv_keep``,
   ``state_keep``). Inside the new tokens, ``segment_ids`` resets them as in training.
 * MLA: the new tokens' latents are written at the cache's ``length``; queries attend to cached
-  and new positions of their own segment, causally (``mask``); ``positions`` feed RoPE.
+  and new positions of their own document (a run of equal ids), causally (``mask``);
+  ``positions`` feed RoPE.
 """
 
 from __future__ import annotations
