@@ -101,7 +101,7 @@ def test_cudnn_path_matches_the_formula_bf16(seg):
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
 @pytest.mark.parametrize("seg, documents", [(THREE_DOCS, "packed"), (MANY_DOCS, "masked"),
-                                            (SPLIT_DOC, "masked"), (ONE_DOC_ROWS, "single")],
+                                            (SPLIT_DOC, "packed"), (ONE_DOC_ROWS, "single")],
                          ids=["packed", "many", "split", "single"])
 def test_cudnn_layout_chosen_ahead_matches_the_formula_bf16(seg, documents):
     """The layout the training loop picks on the host (no device-side check) for the rows it
@@ -117,7 +117,7 @@ def test_packed_layout_promised_for_rows_it_does_not_fit_gives_nan():
     assert bool(jnp.isnan(out.astype(jnp.float32)).all())
 
 
-@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, False),
+@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, True),
                                        (ONE_DOC_ROWS, True)],
                          ids=["packed", "many", "split", "one"])
 def test_host_choice_of_layout_is_the_device_check(seg, fits, monkeypatch):
@@ -140,7 +140,7 @@ def _runs_by_loop(row):
     return offsets, [e - s for s, e in zip(offsets, offsets[1:] + [len(row)])]
 
 
-@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, False)],
+@pytest.mark.parametrize("seg, fits", [(THREE_DOCS, True), (MANY_DOCS, False), (SPLIT_DOC, True)],
                          ids=["packed", "many", "split"])
 def test_segment_runs_are_the_rows_documents(seg, fits):
     offsets, lengths, ok = jax.device_get(segment_runs(jnp.asarray(seg), PACKED_SEGMENTS))

@@ -86,9 +86,9 @@ def attention_reference(q, k, v, mask, scale: float) -> jax.Array:
 def segment_runs(segment_ids: jax.Array, max_runs: int):
     """Each row's documents in cuDNN's packed layout: ``(offsets [B, M + 1], lengths [B, M], fits)``
     for ``segment_ids [B, T]`` and ``M = max_runs``: the first token and the length of every run of
-    equal ids, ``-1`` past a row's last run; ``fits`` ([] bool) is true when every row's ids are
-    non-decreasing (each document one run, so runs and the mask's segments agree) with at most
-    ``M`` runs. Where it is false the offsets and lengths are meaningless."""
+    equal ids (its documents, as the mask reads them), ``-1`` past a row's last run; ``fits`` ([]
+    bool) is true when no row has more than ``M`` runs. Where it is false the offsets and lengths
+    are meaningless."""
     run = document_index(segment_ids)  # [B, T]
     runs = run[:, -1] + 1  # [B]
     slot = jnp.arange(max_runs + 1)
@@ -96,13 +96,7 @@ def segment_runs(segment_ids: jax.Array, max_runs: int):
     first = jnp.sum(run[:, None, :] < slot[None, :, None], axis=-1).astype(jnp.int32)
     offsets = jnp.where(slot[None] < runs[:, None], first, -1)
     lengths = jnp.where(slot[None, :-1] < runs[:, None], first[:, 1:] - first[:, :-1], -1)
-    return offsets, lengths, _runs_fit(segment_ids, runs, max_runs, jnp)
-
-
-def _runs_fit(segment_ids, runs, max_runs: int, xp):
-    """Every row's ids non-decreasing (each document one run) with at most ``max_runs`` runs
-    (``runs [B]``); ``xp``: numpy or jax.numpy."""
-    return xp.all(runs <= max_runs) & xp.all(segment_ids[:, 1:] >= segment_ids[:, :-1])
+    return offsets, lengths, jnp.all(runs <= max_runs)
 
 
 def batch_documents(segment_ids: np.ndarray) -> str:
@@ -116,7 +110,7 @@ def batch_documents(segment_ids: np.ndarray) -> str:
         return "masked"
     if np.all(runs == 1):
         return "single"
-    return "packed" if _runs_fit(ids, runs, PACKED_SEGMENTS, np) else "masked"
+    return "packed" if np.all(runs <= PACKED_SEGMENTS) else "masked"
 
 
 def causal_attention(q, k, v, segment_ids: jax.Array | None, scale: float,
