@@ -12,6 +12,7 @@ step) and checked on ragged, left-padded prompts: every property appears in at l
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,3 +87,20 @@ def test_an_id_that_comes_back_starts_a_new_document_in_the_cache(name):
     want = forward_logits(cfg, variables, tokens, segments)
     got = cached_logits(cfg, variables, tokens, segments, 40)
     assert rel_rms(want, got) <= CACHED_FP32_TOL, name
+
+
+def test_decode_reads_nothing_back_from_the_device():
+    """A decode checks the cache's room against a token count kept on the host: reading the
+    count back from the device would make each step wait for the one before it, so a loop of
+    decodes could never run ahead of the accelerator. (The transfer guard catches a read-back on
+    an accelerator; on the CPU, where none is a transfer, the count's type does.)"""
+    cfg, variables = generation_case("kda")
+    tokens, segments = left_pad(_prompts(cfg.vocab_size))
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1] + 2)
+    _, cache = prefill(cfg, variables, tokens, cache, segments, chunk=CHUNK)
+    token = jnp.ones((tokens.shape[0],), jnp.int32)
+    with jax.transfer_guard_device_to_host("disallow"):
+        for step in range(1, 3):
+            _, cache = decode(cfg, variables, token, cache)
+            assert isinstance(cache.length, np.integer)
+            assert cache.length == tokens.shape[1] + step

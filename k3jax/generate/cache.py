@@ -41,7 +41,7 @@ class InferenceCache(NamedTuple):
     layers: dict
     segments: jax.Array  # [B, S] int32
     positions: jax.Array  # [B] int32
-    length: jax.Array  # [] int32
+    length: jax.Array  # [] int32 (a host number after a prefill or decode)
 
     @property
     def max_len(self) -> int:

@@ -47,6 +47,8 @@ def _compiled(cfg: ModelConfig, keep_logits: str):
 
 
 def _check_room(cache: InferenceCache, new: int, what: str) -> int:
+    # After a prefill or decode here the count is a host number (_host_length): reading it does
+    # not wait for the device, so a loop of decodes stays ahead of the GPU.
     length = int(cache.length)
     if length + new > cache.max_len:
         raise ValueError(f"{what}: {new} new tokens after {length} cached ones exceed the cache's "
@@ -76,14 +78,15 @@ def prefill(cfg: ModelConfig, variables: dict, tokens, cache: InferenceCache,
         raise ValueError(f"prefill: segment_ids must be ids >= 0 of tokens' shape {tokens.shape}")
     if chunk < 1:
         raise ValueError(f"prefill: chunk={chunk} must be >= 1")
-    _check_room(cache, tokens.shape[1], "prefill")
+    length = _check_room(cache, tokens.shape[1], "prefill")
     step = _compiled(cfg, "all" if all_logits else "last")
     pieces = []
     for lo in range(0, tokens.shape[1], chunk):
         logits, cache = step(variables, tokens[:, lo:lo + chunk], segment_ids[:, lo:lo + chunk],
                              cache)
         pieces.append(logits)
-    return (jnp.concatenate(pieces, axis=1) if all_logits else pieces[-1]), cache
+    logits = jnp.concatenate(pieces, axis=1) if all_logits else pieces[-1]
+    return logits, _host_length(cache, length + tokens.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,9 +105,17 @@ def decode(cfg: ModelConfig, variables: dict, token, cache: InferenceCache):
     if token.shape != (cache.segments.shape[0],) or not jnp.issubdtype(token.dtype, jnp.integer):
         raise ValueError(f"decode: token must be integer [B={cache.segments.shape[0]}]; got "
                          f"{token.dtype}{token.shape}")
-    if _check_room(cache, 1, "decode") == 0:
+    length = _check_room(cache, 1, "decode")
+    if length == 0:
         raise ValueError("decode: the cache is empty; prefill a prompt first")
-    return _compiled_decode(cfg)(variables, token, cache)
+    logits, cache = _compiled_decode(cfg)(variables, token, cache)
+    return logits, _host_length(cache, length + 1)
+
+
+def _host_length(cache: InferenceCache, length: int) -> InferenceCache:
+    """``cache`` with its token count as a host number (the compiled steps return it on the
+    device, where reading it back would wait for the step that wrote it)."""
+    return cache._replace(length=np.int32(length))
 
 
 @functools.lru_cache(maxsize=None)
