@@ -167,13 +167,11 @@ def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int |
     [B, W-1, C]`` (the last ``W-1`` inputs, oldest first) -> ``(activation [B, C] in x.dtype,
     new_state [B, W-1, C] in x.dtype)``; ``head_dim`` as in :func:`conv_silu`."""
     _check_formula_args("conv_silu_step", x, w, state, head_dim)
-    y, new_state = _step32(x, w, state)
-    return _activate(y, head_dim).astype(x.dtype), new_state
-
-
-def _step32(x, w, state):
-    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, W, C]
-    return jnp.einsum("bwc,wc->bc", window.astype(F32), w.astype(F32)), window[:, 1:]
+    # The sequence formula on one token: a sum of W shifted taps, elementwise. (As an einsum over
+    # the taps, XLA made a one-row batch a reduction fusion that took 0.67 ms a layer on an H200:
+    # 6.0 of a 6.8 ms decode step at batch 1.)
+    y, new_state = _conv32(x[:, None], w, None, state)
+    return _activate(y[:, 0], head_dim).astype(x.dtype), new_state
 
 
 __all__ = ["conv_silu", "conv_silu_kernels", "conv_silu_step", "kernel_conv_silu"]
