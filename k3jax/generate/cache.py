@@ -31,7 +31,7 @@ from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDACache, KDALayer
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.rope import segment_positions
-from k3jax.ops.documents import segment_starts
+from k3jax.ops.documents import document_index
 from k3jax.stack import plan_segments
 
 PAD_SEGMENT = 0  # segment id of left padding; prompt tokens get 1 (see left_pad)
@@ -99,7 +99,7 @@ def cache_context(cfg: ModelConfig, cache: InferenceCache, segment_ids: jax.Arra
     prev_segment = cache.segments[:, jnp.maximum(at - 1, 0)]
     prev_segment = jnp.where(at > 0, prev_segment, -1)
     # positions restart at each segment start; the first run continues the cached segment
-    first_run = jnp.cumsum(segment_starts(segment_ids), axis=1) == 0
+    first_run = document_index(segment_ids) == 0
     continues = first_run & (segment_ids[:, :1] == prev_segment[:, None])
     offset = jnp.where(continues, cache.positions[:, None], 0)
     positions = segment_positions(segment_ids, b, t) + offset
