@@ -25,7 +25,8 @@ from _timing import compile_stages, output, timed
 
 from k3jax.config import ResidualConfig
 from k3jax.config.experiment import apply_overrides, load_config, preset_path
-from k3jax.model import K3Model, init_variables
+from k3jax.model import K3Model
+from k3jax.parallel import init_on_one_device
 from k3jax.stack import plan_segments
 
 
@@ -58,7 +59,7 @@ def make_step(cfg):
 def compile_step(cfg, batch: int, seq: int):
     """The step compiled for a random batch -> ``(compiled, its arguments, compile_stages' seconds
     by stage)``."""
-    variables = jax.jit(init_variables, static_argnums=(0,))(cfg, jax.random.key(0))
+    variables = init_on_one_device(cfg, jax.random.key(0))
     args = (variables["params"], variables.get("balance", {}),
             jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size))
     step = make_step(cfg)

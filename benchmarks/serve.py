@@ -33,11 +33,10 @@ from _timing import output, timed
 
 from k3jax.config import ResidualConfig
 from k3jax.config.experiment import load_config, preset_path
-from k3jax.config.mesh import MeshConfig
 from k3jax.generate import cache_bytes, decode, init_cache, prefill
 from k3jax.generate.prefix_cache import PrefixCache
 from k3jax.layers.kda import KDACache
-from k3jax.parallel import init_sharded, make_mesh
+from k3jax.parallel import init_on_one_device
 
 H200_BYTES_PER_S = 4.8e12
 
@@ -160,11 +159,7 @@ def main(argv=None) -> int:
 def bench_model(name, cfg, args, emit):
     """Every measurement of one model."""
     t0 = time.perf_counter()
-    # The trainer's initialiser: on one GPU it draws with jax's threefry kernel, where a plain jit
-    # of init_variables expands the generator inline per weight shape (99 s for k3_small's hybrid
-    # on an H200).
-    one = MeshConfig(data=1)
-    variables = init_sharded(cfg, make_mesh(one, jax.devices()[:1]), one.rules, jax.random.key(0))
+    variables = init_on_one_device(cfg, jax.random.key(0))
     variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16)
                              if a.dtype == jnp.float32 and a.ndim >= 2 else a, variables)
     emit({"bench": "init", "model": name, "layers": "".join(x[0].upper() for x in cfg.layer_types),

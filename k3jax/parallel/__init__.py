@@ -10,6 +10,7 @@ from k3jax.parallel.sharding import (
                                         batch_sharding,
                                         batch_shards,
                                         constrain,
+                                        init_on_one_device,
                                         init_sharded,
                                         logical_to_sharding,
                                         shardings_of,
@@ -27,6 +28,7 @@ from k3jax.parallel.step import (
 
 __all__ = ["abstract_batch", "batch_placement", "batch_sharding", "batch_shards",
            "check_experts_fit", "compile_in_background", "constrain", "expert_axis_size",
-           "init_sharded", "init_sharded_state", "initialize_distributed", "local_batch_rows",
+           "init_on_one_device", "init_sharded", "init_sharded_state", "initialize_distributed",
+           "local_batch_rows",
            "logical_to_sharding", "make_global_batch", "make_mesh", "sharded_state_shapes",
            "sharded_step", "shardings_of", "under_mesh", "use_mesh", "variable_shardings"]
