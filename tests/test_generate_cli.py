@@ -188,8 +188,10 @@ def _workdir_with(run, directory, change) -> str:
     return str(directory)
 
 
-def test_the_tokenizer_is_the_recorded_corpus_s_and_nothing_is_built(workdir, capsys, tmp_path):
+def test_the_tokenizer_is_the_recorded_corpus_s_and_nothing_is_built(workdir, capsys, tmp_path,
+                                                                     monkeypatch):
     run, _, _ = workdir
+    monkeypatch.delenv("K3JAX_DATA_CACHE", raising=False)  # a build would land under tmp_path
 
     def from_sources(config):  # as a run whose corpus was built into a cache from its sources
         config["data"].update(data_dir=None, sources=[str(run.parent / "docs")])
