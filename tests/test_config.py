@@ -33,6 +33,8 @@ from k3jax.config.experiment import DataConfig, OptimConfig
     (lambda: ResidualConfig(kind="attnres", block_size_sublayers=4, block_size_layers=3),
      r"conflicts with block_size_layers=3"),
     (lambda: MoEConfig(num_experts=4, top_k=8), r"MoEConfig.top_k=8 .*num_experts=4"),
+    (lambda: MoEConfig(capacity_factor=float("inf")),
+     r"MoEConfig.capacity_factor=inf.*finite number > 0"),
     (lambda: ModelConfig(d_model=64, moe=MoEConfig(latent_dim=128)),
      r"ModelConfig.moe.latent_dim=128 .*d_model=64"),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,8 +65,9 @@ class MoEConfig:
         require(self.qb_bins >= 2, self, "qb_bins", "expected at least 2 histogram bins")
         require(self.aux_free_gamma > 0, self, "aux_free_gamma", "expected > 0")
         require(self.aux_loss_alpha >= 0, self, "aux_loss_alpha", "expected >= 0")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            fail(self, "capacity_factor", self.capacity_factor, "expected None (dropless) or > 0")
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
+            fail(self, "capacity_factor", self.capacity_factor,
+                 "expected None (dropless) or a finite number > 0")
 
     @property
     def is_latent(self) -> bool:

@@ -65,7 +65,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, state, layer_index, segment_ids, deterministic: bool, cache=None,
                  context=None):
         """``state`` (the residual rule's: ``[B, T, d]`` or an AttnRes state of such arrays) ->
-        the state after this layer's mixer and FFN; ``segment_ids [B, T]`` or None."""
+        the state after this layer's mixer and FFN (with ``cache``: ``(state, new cache)``);
+        ``segment_ids [B, T]`` or None."""
         cfg = self.cfg
         j = 2 * layer_index
         res_mixer = make_residual(cfg, "residual_mixer")

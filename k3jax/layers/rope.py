@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.documents import segment_starts
+
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotate pairs ``(x[2i], x[2i+1])``. ``x [B, T, ..., D]``, ``positions [B, T]`` int."""
@@ -25,7 +27,5 @@ def segment_positions(segment_ids: jax.Array | None, batch: int, length: int,
     pos = jnp.broadcast_to(jnp.arange(length), (batch, length))
     if segment_ids is None:
         return pos + offset
-    start = jnp.concatenate([jnp.ones((batch, 1), bool),
-                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    last_start = jax.lax.cummax(jnp.where(start, pos, 0), axis=1)
+    last_start = jax.lax.cummax(jnp.where(segment_starts(segment_ids), pos, 0), axis=1)
     return pos - last_start + offset

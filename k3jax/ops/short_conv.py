@@ -80,10 +80,10 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
     if state is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
         from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
 
-        seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-        if impl == "pallas" or short_conv.supports(x, w, seg, head_dim):  # the kernels check
+        docs = (jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None
+                else document_index(segment_ids))
+        if impl == "pallas" or short_conv.supports(x, w, docs, head_dim):  # the kernels check
             norm = None if head_dim is None else (head_dim, L2_EPS)
-            docs = seg if segment_ids is None else document_index(segment_ids)
             return (conv_silu_kernels(x, w, docs, norm),
                     _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     _check_formula_args("conv_silu", x, w, state, head_dim, segment_ids)
@@ -137,7 +137,9 @@ def conv_silu_kernels(x, w, segment_ids, norm=None, interpret: bool = False) -> 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def kernel_conv_silu(x, w, segment_ids, norm=None, interpret: bool = False):
     """:func:`conv_silu`'s kernel path for a sequence from its start, with the kernels'
-    gradients (``segment_ids [B, T]`` int, required). ``norm``: ``(head_dim, eps)`` to
+    gradients (``segment_ids [B, T]`` int, required: document numbers, e.g. from
+    :func:`~k3jax.ops.documents.document_index`, as the kernels mask a tap by equal numbers and
+    would join two runs of an id that comes back). ``norm``: ``(head_dim, eps)`` to
     L2-normalise each head, or None. ``interpret``: run the kernels in Pallas's interpreter (CPU
     tests)."""
     return _launcher("conv_silu")(x, w, segment_ids, norm=norm, interpret=interpret)
