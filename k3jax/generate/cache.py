@@ -41,7 +41,7 @@ class InferenceCache(NamedTuple):
     layers: dict
     segments: jax.Array  # [B, S] int32
     positions: jax.Array  # [B] int32
-    length: jax.Array  # [] int32 (a host number after a prefill or decode)
+    length: np.int32  # tokens written; kept on the host (steps.py says why)
 
     @property
     def max_len(self) -> int:
@@ -72,7 +72,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> InferenceCache:
                                                         plan.repeats)
                                  for k, (mixer, _) in enumerate(plan.group)}
     return InferenceCache(layers, jnp.full((batch, max_len), -1, jnp.int32),
-                          jnp.zeros((batch,), jnp.int32), jnp.zeros((), jnp.int32))
+                          jnp.zeros((batch,), jnp.int32), np.int32(0))
 
 
 def left_pad(prompts: list[list[int]] | list[np.ndarray], pad_id: int = 0

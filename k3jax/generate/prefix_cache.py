@@ -139,7 +139,7 @@ class PrefixCache:
                               is_leaf=_is_layer_cache)
         segments = empty.segments.at[:, :p].set(1)
         return InferenceCache(layers, segments, jnp.full((1,), p, jnp.int32),
-                              jnp.asarray(p, jnp.int32))
+                              np.int32(p))
 
     def prefill(self, variables: dict, tokens, chunk: int = DEFAULT_CHUNK):
         """``tokens [T]`` of one request -> ``(last logits [1, vocab], cache, resumed_at)``; the

@@ -47,8 +47,8 @@ def _compiled(cfg: ModelConfig, keep_logits: str):
 
 
 def _check_room(cache: InferenceCache, new: int, what: str) -> int:
-    # After a prefill or decode here the count is a host number (_host_length): reading it does
-    # not wait for the device, so a loop of decodes stays ahead of the GPU.
+    # The count is a host number (init_cache, _host_length): reading it does not wait for the
+    # device, so a loop of decodes stays ahead of the GPU.
     length = int(cache.length)
     if length + new > cache.max_len:
         raise ValueError(f"{what}: {new} new tokens after {length} cached ones exceed the cache's "
