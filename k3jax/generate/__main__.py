@@ -29,9 +29,12 @@ def run_tokenizer(config: dict, workdir: Path, override: str | None):
     from k3jax.data import load_tokenizer
 
     data, vocab = config["data"], config["model"]["vocab_size"]
-    task = data.get("task", "corpus")
+    task = data["task"]
     if override is not None:
         tok = load_tokenizer(Path(override))
+        if task == "corpus" and tok.kind != data["tokenizer"]:
+            raise ConfigError(f"tokenizer mismatch: the run trained with data.tokenizer="
+                              f"{data['tokenizer']!r}, the tokenizer found is {tok.kind!r}")
     elif task != "corpus":
         raise FileNotFoundError(f"{workdir}: the run trained on the synthetic task {task!r}, "
                                 "which has no tokenizer; pass --tokenizer")
@@ -50,9 +53,6 @@ def run_tokenizer(config: dict, workdir: Path, override: str | None):
             raise ConfigError(f"tokenizer mismatch: the run recorded a {corpus['kind']} tokenizer "
                               f"of {corpus['vocab_size']} ids in {corpus['corpus']}, which now "
                               f"holds a {tok.kind} tokenizer of {tok.vocab_size}")
-    if task == "corpus" and tok.kind != data["tokenizer"]:
-        raise ConfigError(f"tokenizer mismatch: the run trained with data.tokenizer="
-                          f"{data['tokenizer']!r}, the tokenizer found is {tok.kind!r}")
     if tok.vocab_size > vocab:
         raise ConfigError(f"tokenizer mismatch: {tok.vocab_size} token ids, the model has "
                           f"vocab_size={vocab}")
