@@ -182,7 +182,7 @@ def init_variables(cfg: ModelConfig, rng: jax.Array, batch_shape: tuple[int, int
 
 def abstract_variables(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
     """Shapes and dtypes of the variables (``jax.ShapeDtypeStruct``), allocating nothing."""
-    return jax.eval_shape(lambda r: init_variables(cfg, r, batch_shape), jax.random.key(0))
+    return jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0), batch_shape))
 
 
 def logical_axes(cfg: ModelConfig, batch_shape: tuple[int, int] = (1, 8)) -> dict:
@@ -203,6 +203,8 @@ def abstract_variables_and_axes(cfg: ModelConfig,
 
 
 def _boxed_shapes(cfg: ModelConfig, batch_shape: tuple[int, int]) -> dict:
-    """The initialiser's output as shapes inside flax's axis-name boxes."""
-    tokens = jnp.zeros(batch_shape, jnp.int32)
-    return jax.eval_shape(lambda r: K3Model(cfg).init({"params": r}, tokens), jax.random.key(0))
+    """The initialiser's output as shapes inside flax's axis-name boxes. The key and the tokens
+    are made inside the trace: made outside, they were the process's first transfer to the
+    device, which on a GPU sets up its allocator and streams (seconds) before anything else."""
+    return jax.eval_shape(lambda: K3Model(cfg).init({"params": jax.random.key(0)},
+                                                    jnp.zeros(batch_shape, jnp.int32)))

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import GENERATION_CASES, init, small_config
+from jax.sharding import PartitionSpec as P
 
-from k3jax.model import K3Model, abstract_variables
+from k3jax.model import K3Model, abstract_variables, abstract_variables_and_axes
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from k3jax.stack import plan_stack, unroll_params
 
@@ -97,6 +98,17 @@ def test_bf16_parameters_compute_what_fp32_parameters_of_the_same_values_do():
     want, got = _forward(cfg, rounded, tokens), _forward(cfg16, v16, tokens)
     assert got.dtype == jnp.float32
     assert rel_rms(want, got) < FP32_TOL
+
+
+def test_abstract_variables_touch_no_device():
+    """The shapes come from a trace alone: no array reaches a device (on a GPU the process's first
+    transfer sets up its allocator, seconds that would come before the train step's trace)."""
+    cfg = small_config(**GENERATION_CASES["hybrid"])
+    with jax.transfer_guard("disallow"):
+        shapes, axes = abstract_variables_and_axes(cfg, (2, 16))
+        assert jax.tree.structure(shapes) == jax.tree.structure(abstract_variables(cfg, (2, 16)))
+    assert jax.tree.structure(axes["params"], is_leaf=lambda x: isinstance(x, P)) == \
+        jax.tree.structure(shapes["params"])
 
 
 def _scanned_config():
