@@ -20,7 +20,8 @@ from k3jax.config.experiment import apply_overrides, load_config
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="preset file defining get_config()")
+    parser.add_argument("--config", required=True,
+                        help="a preset file defining get_config(), or a preset's name (k3_tiny)")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and plots go here")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set model.d_model=256 (repeatable)")

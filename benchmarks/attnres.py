@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from _timing import compile_stages, output, timed
 
 from k3jax.config import ResidualConfig
-from k3jax.config.experiment import apply_overrides, load_config, preset_path
+from k3jax.config.experiment import apply_overrides, load_config
 from k3jax.model import K3Model
 from k3jax.parallel import init_on_one_device
 from k3jax.stack import plan_segments
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    base = apply_overrides(load_config(preset_path(args.config)), args.overrides).model
+    base = apply_overrides(load_config(args.config), args.overrides).model
     remats = args.remat.split(",")
     configs = {(remat, residual): variant_config(base, residual, remat, args.block_layers,
                                                  args.no_moe)

@@ -67,7 +67,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 jax.config.update("jax_enable_compilation_cache", False)
 
-from k3jax.config.experiment import apply_overrides, load_config, preset_path  # noqa: E402
+from k3jax.config.experiment import apply_overrides, load_config  # noqa: E402
 from k3jax.devices import hopper_target  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
 from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
         if o not in ("adamw", "muon"):
             ap.error(f"--optimizers: unknown optimiser {o!r}; expected adamw, muon")
 
-    cfg = apply_overrides(load_config(preset_path(args.config)), args.overrides)
+    cfg = apply_overrides(load_config(args.config), args.overrides)
     if args.micro_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, micro_batches=args.micro_batches))

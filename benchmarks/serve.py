@@ -32,7 +32,7 @@ import numpy as np
 from _timing import output, timed
 
 from k3jax.config import ResidualConfig
-from k3jax.config.experiment import load_config, preset_path
+from k3jax.config.experiment import load_config
 from k3jax.generate import cache_bytes, decode, init_cache, prefill
 from k3jax.generate.prefix_cache import PrefixCache
 from k3jax.layers.kda import KDACache
@@ -42,7 +42,7 @@ H200_BYTES_PER_S = 4.8e12
 
 
 def models(config: str):
-    base = load_config(preset_path(config)).model
+    base = load_config(config).model
     base = base.replace(moe=None, first_k_dense=base.num_layers,
                         residual=ResidualConfig(kind="plain"), dtype="bfloat16")
     return {"hybrid": base, "pure_mla": base.replace(mla_every=1)}

@@ -55,7 +55,7 @@ from _timing import emit
 from _trace import device_kernels, hlo_instructions, summarize, trace_files
 
 from k3jax.accounting import count_params, mfu_fn
-from k3jax.config.experiment import apply_overrides, load_config, preset_path
+from k3jax.config.experiment import apply_overrides, load_config
 from k3jax.model import abstract_variables_and_axes
 from k3jax.parallel import (
     batch_placement,
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
     if args.attribute:  # read when the backend starts, i.e. at the first computation below
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_gpu_enable_command_buffer=").strip()
-    cfg = apply_overrides(load_config(preset_path(args.config)), args.overrides)
+    cfg = apply_overrides(load_config(args.config), args.overrides)
     if args.width:
         cfg = dataclasses.replace(cfg, model=scale_width(cfg.model, args.width, multiple=64))
     data = dataclasses.replace(cfg.data, batch_size=args.batch or cfg.data.batch_size,

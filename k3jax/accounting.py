@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from k3jax.config import ConfigError, ModelConfig
-from k3jax.config.experiment import load_config, preset_path
+from k3jax.config.experiment import load_config
 from k3jax.model import abstract_variables_and_axes
 
 
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
     try:
-        experiment = load_config(preset_path(args.config))
+        experiment = load_config(args.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,13 @@ import json
 import pytest
 
 from k3jax.config import ConfigError
-from k3jax.config.experiment import ExperimentConfig, apply_overrides, from_dict, load_config
+from k3jax.config.experiment import (
+    PRESETS,
+    ExperimentConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+)
 
 
 def test_overrides_are_typed_and_nested():
@@ -76,6 +82,9 @@ def test_json_round_trip_and_preset_loading(tmp_path):
     assert load_config(preset).train.steps == 7
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.py")
+    assert load_config("k3_tiny") == load_config(PRESETS / "k3_tiny.py")  # a preset by name
+    with pytest.raises(ConfigError, match=r"k3_nothing.: no such file \(.*/k3_nothing\.py\)"):
+        load_config("k3_nothing")
 
 
 def test_a_json_config_is_read_strictly(tmp_path):

@@ -11,13 +11,13 @@ import jax
 import pytest
 
 from k3jax.config.base import ConfigError
-from k3jax.config.experiment import load_config, preset_path
+from k3jax.config.experiment import load_config
 from k3jax.train.memory import abstract_state, check_state_fits, state_bytes_per_device
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = load_config(preset_path("k3_tiny"))
+    cfg = load_config("k3_tiny")
     return cfg, abstract_state(cfg)
 
 
@@ -57,7 +57,7 @@ def test_a_mesh_too_small_is_refused_with_the_smallest_that_fits(tiny):
 
 
 def test_unknown_axes_are_named():
-    cfg = load_config(preset_path("k3_tiny"))
+    cfg = load_config("k3_tiny")
     with pytest.raises(ConfigError, match="unknown mesh axes"):
         state_bytes_per_device(cfg, {"pipeline": 2})
 
@@ -69,7 +69,7 @@ def test_cli_sizes_the_state_on_a_mesh_and_names_what_is_wrong(capsys):
 
     assert main(["--config", "k3_tiny", "--mesh", "fsdp=2,expert=2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
-    need = state_bytes_per_device(load_config(preset_path("k3_tiny")), {"fsdp": 2, "expert": 2})
+    need = state_bytes_per_device(load_config("k3_tiny"), {"fsdp": 2, "expert": 2})
     assert (row["params"], row["grads"], row["optimizer"], row["total"]) == (
         need.params, need.grads, need.optimizer, need.total)
     assert main(["--config", "k3_tiny", "--mesh", "expert=2"]) == 0

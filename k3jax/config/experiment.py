@@ -211,7 +211,7 @@ class ExperimentConfig:
 PRESETS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def preset_path(preset: str | Path) -> Path:
+def _preset_path(preset: str | Path) -> Path:
     """A preset file as given, or a preset's name (``k3_small``) as its file in ``configs/``."""
     path = Path(preset)
     if path.is_file() or path.suffix in (".py", ".json"):
@@ -219,12 +219,14 @@ def preset_path(preset: str | Path) -> Path:
     return PRESETS / f"{preset}.py"
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Import a preset file and call its ``get_config()``; a ``.json`` file is a resolved config
-    (a workdir's ``config.json``, e.g. one written by ``python -m k3jax.convert from-hf``)."""
-    path = Path(path)
+def load_config(preset: str | Path) -> ExperimentConfig:
+    """A preset by name (``k3_small``: ``configs/k3_small.py``) or file: a Python file is imported
+    and its ``get_config()`` called; a ``.json`` file is a resolved config (a workdir's
+    ``config.json``, e.g. one written by ``python -m k3jax.convert from-hf``)."""
+    path = _preset_path(preset)
     if not path.is_file():
-        raise ConfigError(f"--config {str(path)!r}: no such file")
+        raise ConfigError(f"--config {str(preset)!r}: no such file"
+                          + ("" if path == Path(preset) else f" ({path})"))
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text())

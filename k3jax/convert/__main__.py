@@ -39,9 +39,9 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "from-hf":
-            from k3jax.config.experiment import load_config, preset_path
+            from k3jax.config.experiment import load_config
 
-            base = load_config(preset_path(args.config)) if args.config else None
+            base = load_config(args.config) if args.config else None
             import_hf(args.hf_dir, args.out, base, args.overrides, log=log)
         else:
             if not args.max_shard_gb > 0:

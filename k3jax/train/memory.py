@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     import json
     import sys
 
-    from k3jax.config.experiment import load_config, preset_path
+    from k3jax.config.experiment import load_config
     from k3jax.config.mesh import parse_sizes
 
     ap = argparse.ArgumentParser(prog="python -m k3jax.train.memory",
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         sizes = parse_sizes(args.mesh, "--mesh")
-        cfg = load_config(preset_path(args.config))
+        cfg = load_config(args.config)
         device = None if args.device_gib is None else args.device_gib * 2**30
         need = check_state_fits(cfg, sizes, device, abstract=abstract_state(cfg))
         if need is None:
