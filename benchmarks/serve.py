@@ -70,9 +70,9 @@ def bench_prefill(name, cfg, variables, t, chunk, repeats, emit):
 def bench_decode(name, cfg, variables, batch, context, steps, emit):
     cache = init_cache(cfg, batch, context)
     # a full-looking cache: decode cost does not depend on the cached values
-    cache = cache._replace(segments=jnp.ones_like(cache.segments).at[:, -steps - 4:].set(-1),
-                           positions=jnp.full_like(cache.positions, context - steps - 4),
-                           length=np.int32(context - steps - 4))
+    cache = cache.replace(last_segment=jnp.ones_like(cache.last_segment),
+                          positions=jnp.full_like(cache.positions, context - steps - 4),
+                          length=np.int32(context - steps - 4))
 
     def step(logits, cache):
         # The next token is picked on the device, as a server would: its argmax is part of the

@@ -8,9 +8,10 @@
   ``[B, H, K, V]``), an MLA layer :class:`~k3jax.layers.mla.MLACache` (the normalised latent
   ``[B, S, kv_lora]`` and the shared ``k_rope [B, S, rope]``: ``kv_lora + rope`` values per token,
   576 for K3). The AttnRes residual and the MoE keep nothing across time.
-* ``segments [B, S]``: the segment id of every written position (``-1`` where nothing is written);
+* ``last_segment [B]``: the segment id of each row's last written token (``-1`` before any);
   ``positions [B]``: the position, within its segment, of each row's next token if it continues
-  the row's last segment; ``length``: tokens written so far, one count for the batch.
+  the row's last segment; ``length``: tokens written so far, one count for the batch;
+  ``max_len``: the positions the cache has room for (static).
 
 Rows of one batch share ``length``: prompts of different lengths are left-padded
 (:func:`left_pad`), so every row's last prompt token sits at the same position and each decode
@@ -20,11 +21,10 @@ row after its padding, and a recurrent state cannot be rewound.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
@@ -37,15 +37,17 @@ from k3jax.stack import plan_segments
 PAD_SEGMENT = 0  # segment id of left padding; prompt tokens get 1 (see left_pad)
 
 
-class InferenceCache(NamedTuple):
+@struct.dataclass
+class InferenceCache:
     layers: dict
-    segments: jax.Array  # [B, S] int32
+    last_segment: jax.Array  # [B] int32
     positions: jax.Array  # [B] int32
     length: np.int32  # tokens written; kept on the host (steps.py says why)
+    max_len: int = struct.field(pytree_node=False)
 
     @property
-    def max_len(self) -> int:
-        return self.segments.shape[1]
+    def batch(self) -> int:
+        return self.last_segment.shape[0]
 
 
 def _layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int):
@@ -71,8 +73,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> InferenceCache:
             layers[plan.name] = {f"layer_{k}": _stacked(_layer_cache(cfg, mixer, batch, max_len),
                                                         plan.repeats)
                                  for k, (mixer, _) in enumerate(plan.group)}
-    return InferenceCache(layers, jnp.full((batch, max_len), -1, jnp.int32),
-                          jnp.zeros((batch,), jnp.int32), np.int32(0))
+    return InferenceCache(layers, jnp.full((batch,), -1, jnp.int32),
+                          jnp.zeros((batch,), jnp.int32), np.int32(0), max_len)
 
 
 def left_pad(prompts: list[list[int]] | list[np.ndarray], pad_id: int = 0
@@ -96,15 +98,11 @@ def cache_context(cfg: ModelConfig, cache: InferenceCache, segment_ids: jax.Arra
     cache's bookkeeping advanced past them (the per-layer caches are the layers' to update)."""
     b, t = segment_ids.shape
     at = cache.length
-    prev_segment = cache.segments[:, jnp.maximum(at - 1, 0)]
-    prev_segment = jnp.where(at > 0, prev_segment, -1)
     # positions restart at each segment start; the first run continues the cached segment
     first_run = document_index(segment_ids) == 0
-    continues = first_run & (segment_ids[:, :1] == prev_segment[:, None])
+    continues = first_run & (segment_ids[:, :1] == cache.last_segment[:, None])
     offset = jnp.where(continues, cache.positions[:, None], 0)
     positions = segment_positions(segment_ids, b, t) + offset
-    segments = jax.lax.dynamic_update_slice_in_dim(cache.segments, segment_ids.astype(jnp.int32),
-                                                   at, 1)
     s = cache.max_len
     # A document is a run of equal ids (math §2): each new token's document began ``positions``
     # tokens before it, so it attends to the cache from there on. Comparing ids instead would join
@@ -118,7 +116,8 @@ def cache_context(cfg: ModelConfig, cache: InferenceCache, segment_ids: jax.Arra
     conv_keep = back[None, :] >= doc_start[:, :1]
     context = CacheContext(segment_ids.astype(jnp.int32), positions.astype(jnp.int32), mask,
                            conv_keep, continues[:, 0])
-    advanced = cache._replace(segments=segments, positions=positions[:, -1] + 1, length=at + t)
+    advanced = cache.replace(last_segment=segment_ids[:, -1].astype(jnp.int32),
+                             positions=positions[:, -1] + 1, length=at + t)
     return context, advanced
 
 

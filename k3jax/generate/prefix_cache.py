@@ -137,9 +137,9 @@ class PrefixCache:
 
         layers = jax.tree.map(rebuild, empty.layers, *(n.layers for n in path),
                               is_leaf=_is_layer_cache)
-        segments = empty.segments.at[:, :p].set(1)
-        return InferenceCache(layers, segments, jnp.full((1,), p, jnp.int32),
-                              np.int32(p))
+        # the snapshot's tokens are one request's prompt: segment 1, as left_pad numbers it
+        return InferenceCache(layers, jnp.ones((1,), jnp.int32), jnp.full((1,), p, jnp.int32),
+                              np.int32(p), self.max_len)
 
     def prefill(self, variables: dict, tokens, chunk: int = DEFAULT_CHUNK):
         """``tokens [T]`` of one request -> ``(last logits [1, vocab], cache, resumed_at)``; the

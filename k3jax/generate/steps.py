@@ -35,7 +35,7 @@ def _forward(cfg: ModelConfig, variables, tokens, segment_ids, cache: InferenceC
     inference_vars = {k: variables[k] for k in ("params", "balance") if k in variables}
     logits, layers = K3Model(_inference_config(cfg)).apply(
         inference_vars, tokens, context.segment_ids, True, cache.layers, context)
-    return logits, advanced._replace(layers=layers)
+    return logits, advanced.replace(layers=layers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,9 +69,8 @@ def prefill(cfg: ModelConfig, variables: dict, tokens, cache: InferenceCache,
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.shape[1] == 0:
         raise ValueError(f"prefill: tokens must be a non-empty integer array [B, T]; got "
                          f"{tokens.dtype}{tokens.shape}")
-    if tokens.shape[0] != cache.segments.shape[0]:
-        raise ValueError(f"prefill: tokens has {tokens.shape[0]} rows, the cache "
-                         f"{cache.segments.shape[0]}")
+    if tokens.shape[0] != cache.batch:
+        raise ValueError(f"prefill: tokens has {tokens.shape[0]} rows, the cache {cache.batch}")
     segment_ids = (jnp.ones(tokens.shape, jnp.int32) if segment_ids is None
                    else jnp.asarray(segment_ids, jnp.int32))
     if segment_ids.shape != tokens.shape or bool(jnp.any(segment_ids < 0)):
@@ -92,8 +91,8 @@ def prefill(cfg: ModelConfig, variables: dict, tokens, cache: InferenceCache,
 @functools.lru_cache(maxsize=None)
 def _compiled_decode(cfg: ModelConfig):
     def run(variables, token, cache):
-        segment = cache.segments[:, jnp.maximum(cache.length - 1, 0)]  # the row's last segment
-        logits, cache = _forward(cfg, variables, token[:, None], segment[:, None], cache)
+        segment = cache.last_segment[:, None]
+        logits, cache = _forward(cfg, variables, token[:, None], segment, cache)
         return logits[:, 0], cache
     return jax.jit(run, donate_argnums=(2,))
 
@@ -102,8 +101,8 @@ def decode(cfg: ModelConfig, variables: dict, token, cache: InferenceCache):
     """One token per row ``token [B]`` continuing each row's last segment -> ``(logits [B, vocab]
     fp32, cache)``. The cache must hold at least one token (a prefill comes first)."""
     token = jnp.asarray(token)
-    if token.shape != (cache.segments.shape[0],) or not jnp.issubdtype(token.dtype, jnp.integer):
-        raise ValueError(f"decode: token must be integer [B={cache.segments.shape[0]}]; got "
+    if token.shape != (cache.batch,) or not jnp.issubdtype(token.dtype, jnp.integer):
+        raise ValueError(f"decode: token must be integer [B={cache.batch}]; got "
                          f"{token.dtype}{token.shape}")
     length = _check_room(cache, 1, "decode")
     if length == 0:
@@ -115,7 +114,7 @@ def decode(cfg: ModelConfig, variables: dict, token, cache: InferenceCache):
 def _host_length(cache: InferenceCache, length: int) -> InferenceCache:
     """``cache`` with its token count as a host number (the compiled steps return it on the
     device, where reading it back would wait for the step that wrote it)."""
-    return cache._replace(length=np.int32(length))
+    return cache.replace(length=np.int32(length))
 
 
 @functools.lru_cache(maxsize=None)
