@@ -13,9 +13,11 @@ phase with its total::
     {"bench": "host_timeline", "activity": "lower: Mosaic GPU kernels", "total_s": 4.8,
      "share": 0.11}
 
-Times count from this script's start, before the sampled script's imports. Only the main thread
-is sampled: the compiles and the initialisation that other threads run beside it show up as the
-main thread's ``wait``. Sampling every 0.1 s costs the run little (a few tenths of a second).
+Times count from this script's start, before the sampled script's imports. A sample stands for
+the time since the one before (the sampler runs late while the main thread holds the interpreter
+lock). Only the main thread is sampled: the compiles and the initialisation that other threads run
+beside it show up as its ``wait``, where it waits in Python (a wait inside a jax call, e.g.
+``block_until_ready``, counts as ``python``). Sampling every 0.1 s costs the run little.
 
     PYTHONPATH=. python3 benchmarks/host_timeline.py -- benchmarks/step_profile.py \\
         --config k3_small --warmup 1 --steps 3 --trace-steps 1
@@ -34,8 +36,10 @@ import time
 from pathlib import Path
 
 T0 = time.perf_counter()
-ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = (str(ROOT / "k3jax") + os.sep, str(ROOT / "pallas_kernels") + os.sep)
+# The checkout as Python names its files, through a symlink or not.
+ROOTS = tuple({Path(__file__).absolute().parents[1], Path(__file__).resolve().parents[1]})
+LIBRARY = tuple(str(root / package) + os.sep for root in ROOTS
+                for package in ("k3jax", "pallas_kernels"))
 
 # (activity, a piece of a frame's "file:function" that marks it), first match wins: the kernels'
 # lowering happens inside jax's lowering, a transfer or a trace inside an eager call.
@@ -70,7 +74,9 @@ def classify(names: list[str]) -> tuple[str, str]:
         if names and names[-1].split(":")[-1] == "wait":
             activity = "wait"
     entry = next((n for n in names if n.startswith(LIBRARY)), "")
-    return activity, entry.removeprefix(str(ROOT) + os.sep).removeprefix("k3jax" + os.sep)
+    for root in ROOTS:
+        entry = entry.removeprefix(str(root) + os.sep)
+    return activity, entry.removeprefix("k3jax" + os.sep)
 
 
 class Sampler:
@@ -78,7 +84,8 @@ class Sampler:
 
     def __init__(self, interval: float):
         self.interval = interval
-        self.samples: list[tuple[float, str, str]] = []  # (seconds since T0, activity, entry)
+        # (seconds since T0, seconds since the sample before, activity, entry)
+        self.samples: list[tuple[float, float, str, str]] = []
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="host-timeline", daemon=True)
@@ -92,35 +99,41 @@ class Sampler:
         self._thread.join()
 
     def _run(self):
+        last = time.perf_counter() - T0
         while not self._stop.wait(self.interval):
             frame = sys._current_frames().get(self._main)
+            now = time.perf_counter() - T0
             if frame is not None:
-                self.samples.append((time.perf_counter() - T0, *classify(frame_names(frame))))
+                self.samples.append((now, now - last, *classify(frame_names(frame))))
+            last = now
 
 
-def stretches(samples: list[tuple[float, str, str]], interval: float) -> list[dict]:
+def stretches(samples: list[tuple[float, float, str, str]]) -> list[dict]:
     """Consecutive samples of one phase joined: ``start_s``, ``end_s``, ``s``, the phase."""
     out = []
-    for t, activity, entry in samples:
+    for t, dt, activity, entry in samples:
         if out and (out[-1]["activity"], out[-1]["entry"]) == (activity, entry):
             out[-1]["end_s"] = round(t, 2)
         else:
-            out.append({"start_s": round(t - interval, 2), "end_s": round(t, 2),
+            out.append({"start_s": round(t - dt, 2), "end_s": round(t, 2),
                         "activity": activity, "entry": entry})
     for s in out:
         s["s"] = round(s["end_s"] - s["start_s"], 2)
     return out
 
 
-def report(samples: list[tuple[float, str, str]], interval: float, min_s: float) -> None:
-    for s in stretches(samples, interval):
+def report(samples: list[tuple[float, float, str, str]], min_s: float) -> None:
+    for s in stretches(samples):
         if s["s"] >= min_s:
             print(json.dumps({"bench": "host_timeline", **s}), flush=True)
-    totals = collections.Counter(activity for _, activity, _ in samples)
-    for activity, n in totals.most_common():
+    totals: collections.Counter = collections.Counter()
+    for _, dt, activity, _ in samples:
+        totals[activity] += dt
+    whole = sum(totals.values())
+    for activity, seconds in totals.most_common():
         print(json.dumps({"bench": "host_timeline", "activity": activity,
-                          "total_s": round(n * interval, 2),
-                          "share": round(n / len(samples), 3)}), flush=True)
+                          "total_s": round(seconds, 2), "share": round(seconds / whole, 3)}),
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -138,16 +151,14 @@ def main(argv=None) -> None:
         ap.error(f"script: no such file {args.script!r}")
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, str(Path(args.script).resolve().parent))
-    status = 0
-    with Sampler(args.interval) as sampler:
-        try:
+    sampler = Sampler(args.interval)
+    try:
+        with sampler:
             runpy.run_path(args.script, run_name="__main__")
-        except SystemExit as e:  # the script's own exit: the samples are reported all the same
-            status = e.code
-    sys.stdout.flush()
-    if sampler.samples:
-        report(sampler.samples, args.interval, args.min_s)
-    sys.exit(status)
+    finally:  # the script's exit or failure: what was sampled up to it is reported all the same
+        sys.stdout.flush()
+        if sampler.samples:
+            report(sampler.samples, args.min_s)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def abstract_variables_and_axes(cfg: ModelConfig,
 
 def _boxed_shapes(cfg: ModelConfig, batch_shape: tuple[int, int]) -> dict:
     """The initialiser's output as shapes inside flax's axis-name boxes. The key and the tokens
-    are made inside the trace: made outside, they were the process's first transfer to the
+    are made inside the trace: made outside, they would be the process's first transfer to the
     device, which on a GPU sets up its allocator and streams (seconds) before anything else."""
     return jax.eval_shape(lambda: K3Model(cfg).init({"params": jax.random.key(0)},
                                                     jnp.zeros(batch_shape, jnp.int32)))

@@ -70,17 +70,15 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
 
 
 def test_host_timeline_splits_a_runs_main_thread_into_phases():
-    """The step profiler under the host sampler: its own lines, then stretches in time order and
-    totals; the initialiser's trace is found at its entry into the library."""
+    """The step profiler under the host sampler: its own lines, then stretches and totals; the
+    initialiser's trace is found at its entry into the library."""
     rows = _run(["benchmarks/host_timeline.py", "--min-s", "0", "--",
                  "benchmarks/step_profile.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "2",
                  "--seq", "32", "--warmup", "0", "--steps", "1", "--trace-steps", "1"])
     assert any(r.get("bench") == "step_profile" for r in rows)
     spans = [r for r in rows if r.get("bench") == "host_timeline" and "start_s" in r]
     totals = {r["activity"]: r for r in rows if "total_s" in r}
-    assert [s["start_s"] for s in spans] == sorted(s["start_s"] for s in spans)
     assert {"trace", "lower", "compile"} <= set(totals), totals
-    assert abs(sum(r["share"] for r in totals.values()) - 1) < 1e-2
     assert any(s["activity"] == "trace" and s["entry"] == "model.py:abstract_variables_and_axes"
                for s in spans), spans
 

@@ -100,8 +100,8 @@ def test_bf16_parameters_compute_what_fp32_parameters_of_the_same_values_do():
     assert rel_rms(want, got) < FP32_TOL
 
 
-def test_abstract_variables_touch_no_device():
-    """The shapes come from a trace alone: no array reaches a device (on a GPU the process's first
+def test_abstract_variables_transfer_nothing_to_a_device():
+    """The shapes come from a trace: no array is sent to a device (on a GPU the process's first
     transfer sets up its allocator, seconds that would come before the train step's trace)."""
     cfg = small_config(**GENERATION_CASES["hybrid"])
     with jax.transfer_guard("disallow"):

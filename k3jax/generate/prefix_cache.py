@@ -137,7 +137,8 @@ class PrefixCache:
 
         layers = jax.tree.map(rebuild, empty.layers, *(n.layers for n in path),
                               is_leaf=_is_layer_cache)
-        # the snapshot's tokens are one request's prompt: segment 1, as left_pad numbers it
+        # the snapshot's tokens are one request's prompt, which self.prefill hands to prefill
+        # without segment ids: one segment, numbered 1, that the restored cache continues
         return InferenceCache(layers, jnp.ones((1,), jnp.int32), jnp.full((1,), p, jnp.int32),
                               np.int32(p), self.max_len)
 
