@@ -3,10 +3,11 @@ a sampler of its Python stack.
 
 Each sample is put in a phase by what jax is doing (tracing, lowering, the Mosaic GPU or Triton
 kernels' lowering, a transfer to a device, compiling, waiting on another thread, importing) and
-by where the run entered the library (the outermost ``k3jax`` or ``pallas_kernels`` frame, e.g.
-``model.py:abstract_variables_and_axes``). JSON lines after the script's own output: one per
-stretch of consecutive samples in one phase (at least ``--min-s`` long), in order, then one per
-phase with its total::
+by where the run is in the library: the deepest public function (no leading underscore) of the
+outermost ``k3jax`` or ``pallas_kernels`` file on the stack, before the stack first leaves that
+file (``model.py:abstract_variables_and_axes``, ``train/loop.py:compile_step_async``). JSON lines
+after the script's own output: one per stretch of consecutive samples in one phase (at least
+``--min-s`` long), in order, then one per phase with its total::
 
     {"bench": "host_timeline", "start_s": 11.9, "end_s": 19.4, "s": 7.5,
      "activity": "lower", "entry": "parallel/step.py:compile_async"}
@@ -73,10 +74,24 @@ def classify(names: list[str]) -> tuple[str, str]:
     else:
         if names and names[-1].split(":")[-1] == "wait":
             activity = "wait"
-    entry = next((n for n in names if n.startswith(LIBRARY)), "")
+    return activity, _entry(names)
+
+
+def _entry(names: list[str]) -> str:
+    """The deepest public function of the outermost library file among the frames from there
+    until the first frame of another file (module docstring)."""
+    first = next((i for i, n in enumerate(names) if n.startswith(LIBRARY)), None)
+    if first is None:
+        return ""
+    entry = names[first]
+    for name in names[first + 1:]:
+        if name.rsplit(":", 1)[0] != entry.rsplit(":", 1)[0]:
+            break
+        if not name.rsplit(":", 1)[1].startswith("_"):
+            entry = name
     for root in ROOTS:
         entry = entry.removeprefix(str(root) + os.sep)
-    return activity, entry.removeprefix("k3jax" + os.sep)
+    return entry.removeprefix("k3jax" + os.sep)
 
 
 class Sampler:
