@@ -71,8 +71,10 @@ def test_step_profile_sorts_the_steps_kernels_by_category_and_source(tmp_path):
 
 def test_host_timeline_splits_a_runs_main_thread_into_phases():
     """The step profiler under the host sampler: its own lines, then stretches and totals; the
-    initialiser's trace is found at its entry into the library."""
-    rows = _run(["benchmarks/host_timeline.py", "--min-s", "0", "--",
+    initialiser's trace is found at its entry into the library. Sampled every 20 ms: that trace
+    lasts a few tenths of a second on this toy model, where 0.1 s would leave it a couple of
+    samples on a loaded machine."""
+    rows = _run(["benchmarks/host_timeline.py", "--interval", "0.02", "--min-s", "0", "--",
                  "benchmarks/step_profile.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "2",
                  "--seq", "32", "--warmup", "0", "--steps", "1", "--trace-steps", "1"])
     assert any(r.get("bench") == "step_profile" for r in rows)
