@@ -72,7 +72,7 @@ def test_cross_field_validation_names_the_fields():
         apply_overrides(ExperimentConfig(), ["model.vocab_size=100"])
 
 
-def test_json_round_trip_and_preset_loading(tmp_path):
+def test_json_round_trip_and_preset_loading(tmp_path, monkeypatch):
     cfg = apply_overrides(ExperimentConfig(), ["model.mla_layers=0,2", "eval.tasks=stack"])
     assert from_dict(ExperimentConfig, json.loads(json.dumps(cfg.to_dict()))) == cfg
     preset = tmp_path / "p.py"
@@ -82,7 +82,12 @@ def test_json_round_trip_and_preset_loading(tmp_path):
     assert load_config(preset).train.steps == 7
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.py")
-    assert load_config("k3_tiny") == load_config(PRESETS / "k3_tiny.py")  # a preset by name
+    shipped = load_config(PRESETS / "k3_tiny.py")
+    monkeypatch.chdir(tmp_path)  # not the repository root: the README's spelling still works
+    assert load_config("k3_tiny") == load_config("k3_tiny.py") == shipped
+    assert load_config("configs/k3_tiny.py") == shipped
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config("elsewhere/k3_tiny.py")  # only the presets' own folder is looked up
     with pytest.raises(ConfigError, match=r"k3_nothing.: no such file \(.*/k3_nothing\.py\)"):
         load_config("k3_nothing")
 

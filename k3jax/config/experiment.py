@@ -212,11 +212,13 @@ PRESETS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _preset_path(preset: str | Path) -> Path:
-    """A preset file as given, or a preset's name (``k3_small``) as its file in ``configs/``."""
+    """A preset file as given, else a shipped preset by its name (``k3_small``), file name
+    (``k3_small.py``) or path from the repository root (``configs/k3_small.py``, what the README
+    writes, also from another working directory)."""
     path = Path(preset)
-    if path.is_file() or path.suffix in (".py", ".json"):
+    if path.is_file() or path.parent not in (Path("."), Path(PRESETS.name)):
         return path
-    return PRESETS / f"{preset}.py"
+    return PRESETS / (path.name if path.suffix else f"{path.name}.py")
 
 
 def load_config(preset: str | Path) -> ExperimentConfig:
