@@ -1,10 +1,12 @@
 """The executable cache of train steps: its key misses on any change of what the program is made
-from, a stored step loads and computes the same numbers, and a damaged file is compiled again.
+from, a stored step loads and computes the same numbers, and a damaged file is compiled again;
+likewise for the values kept beside it (the model's variable shapes).
 
 The programs here are compiled and loaded in one process; ``train.py`` uses the cache on GPUs
 only (:func:`~k3jax.parallel.executable_cache.usable`).
 """
 
+import dataclasses
 import time
 import warnings
 
@@ -16,8 +18,14 @@ from helpers import least_squares_args, least_squares_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config.mesh import MeshConfig
-from k3jax.parallel import make_mesh
-from k3jax.parallel.executable_cache import ExecutableCache, program_key, source_digest
+from k3jax.parallel import executable_cache, make_mesh
+from k3jax.parallel.executable_cache import (
+    ExecutableCache,
+    load_or_make,
+    program_key,
+    source_digest,
+    value_key,
+)
 from k3jax.parallel.step import MeshStep
 
 
@@ -142,3 +150,47 @@ def test_the_step_is_stored_once_store_after_is_done(toy, tmp_path):
     assert not compiled.stored.done() and not list(tmp_path.glob("*.executable"))
     gate.set_result(None)
     assert compiled.stored.result(timeout=60) in list(tmp_path.glob("*.executable"))
+
+
+def test_a_kept_value_is_made_once_again_when_damaged_and_the_oldest_go(tmp_path, monkeypatch):
+    made = []
+
+    def make():
+        made.append(1)
+        return {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32), "axes": PartitionSpec("embed")}
+
+    key = value_key("toy")
+    assert key == value_key("toy") != value_key("toy, another config")
+    first = load_or_make(tmp_path, key, make)
+    assert load_or_make(tmp_path, key, make) == first and len(made) == 1
+    (path,) = tmp_path.glob("*.pickle")
+    path.write_bytes(path.read_bytes()[:10])
+    assert load_or_make(tmp_path, key, make) == first and len(made) == 2
+    monkeypatch.setattr(executable_cache, "KEEP_VALUES", 2)
+    for other in ("b", "c"):
+        time.sleep(0.01)  # distinct modification times
+        load_or_make(tmp_path, value_key(other), make)
+    assert {p.stem for p in tmp_path.glob("*.pickle")} == {value_key("b"), value_key("c")}
+
+
+def test_variable_shapes_trace_the_initialiser_once_per_model(tmp_path, monkeypatch):
+    """The training loop's variable shapes: traced on a miss, read back on a hit, equal either
+    way; another model is another key."""
+    import k3jax.model
+    from k3jax.config import ModelConfig
+    from k3jax.train.loop import variable_shapes
+
+    traced = []
+    abstract = k3jax.model.abstract_variables_and_axes
+
+    def counting(*args):
+        traced.append(args)
+        return abstract(*args)
+
+    monkeypatch.setattr(k3jax.model, "abstract_variables_and_axes", counting)
+    cfg = ModelConfig(d_model=32, num_layers=2)
+    fresh = variable_shapes(cfg, (1, 8), None)
+    assert variable_shapes(cfg, (1, 8), tmp_path) == fresh and len(traced) == 2
+    assert variable_shapes(cfg, (1, 8), tmp_path) == fresh and len(traced) == 2
+    variable_shapes(dataclasses.replace(cfg, d_model=64), (1, 8), tmp_path)
+    assert len(traced) == 3

@@ -1,5 +1,5 @@
-"""Compiled programs kept on disk under a key known before tracing, so a resumed run skips the
-trace and the lowering of its train step.
+"""Compiled programs, and the shapes they are traced from, kept on disk under a key known before
+tracing, so a resumed run skips the trace and the lowering of its train step.
 
 jax's persistent compilation cache is keyed by the lowered program: every start traces and lowers
 the step before it can look it up (10.5 s for ``k3_small`` on an H200, most of it lowering the
@@ -8,7 +8,9 @@ Pallas kernels). Here the key is what the program is made from: the caller's des
 arguments with their shardings, the mesh's devices, the source of ``k3jax`` and
 ``pallas_kernels``, the versions of jax and the libraries the step calls, jax's configuration, the
 ``XLA_*`` / ``JAX_*`` environment and the devices' kind and runtime. A change in any of them is a
-miss: the program is traced, lowered and compiled as without this cache, then stored.
+miss: the program is traced, lowered and compiled as without this cache, then stored. Plain values
+made by tracing (the model's variable shapes, which take a trace of the whole initialiser) are kept
+the same way by :func:`load_or_make`, under :func:`value_key`.
 
 What the key cannot see is a library changed in place under an unchanged version (an editable
 install of jax or flax): delete the cache directory after editing one.
@@ -23,7 +25,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import jax
 from jax.experimental import serialize_executable
@@ -38,6 +40,8 @@ ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
 IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
                    "jax_debug_log", "jax_logging")
 KEEP = 8  # programs kept per directory, the most recently used (k3_small's step: 29 MB)
+KEEP_VALUES = 64  # values kept per directory (k3_small's variable shapes: 21 kB)
+T = TypeVar("T")
 
 
 def source_digest(roots: Iterable[Path]) -> str:
@@ -85,15 +89,45 @@ def _abstract(x) -> tuple:
     return (tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)))
 
 
+def value_key(description: object) -> str:
+    """The cache key of what ``description`` makes in this process: its ``repr`` (which must name
+    everything the value is made from besides the source, e.g. frozen configs) and
+    :func:`environment`."""
+    return hashlib.sha256(repr((repr(description), environment())).encode()).hexdigest()[:32]
+
+
 def program_key(description: object, args: tuple, mesh: jax.sharding.Mesh) -> str:
-    """The cache key of a program: ``description`` (its ``repr`` must name everything the program
-    is built from besides the source, e.g. frozen configs), its (abstract) ``args`` and ``mesh``,
-    and :func:`environment`."""
+    """The cache key of a program: ``description`` (as in :func:`value_key`), its (abstract)
+    ``args`` and ``mesh``."""
     devices = [(d.id, d.device_kind) for d in mesh.devices.flat]
-    parts = (repr(description), str(jax.tree.structure(args)),
-             [_abstract(x) for x in jax.tree.leaves(args)],
-             (mesh.axis_names, mesh.devices.shape, devices), environment())
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+    return value_key((description, str(jax.tree.structure(args)),
+                      [_abstract(x) for x in jax.tree.leaves(args)],
+                      (mesh.axis_names, mesh.devices.shape, devices)))
+
+
+def load_or_make(directory: str | Path, key: str, make: Callable[[], T]) -> T:
+    """The value stored in ``directory`` under ``key``, else ``make()``'s, stored there atomically
+    for the next process (a file that does not load is made again; the oldest files beyond
+    :data:`KEEP_VALUES` are removed). Values are pickled: keep the directory your own."""
+    path = Path(directory) / f"{key}.pickle"
+    try:
+        value = pickle.loads(path.read_bytes())
+        os.utime(path)  # most recently used: kept longest
+        return value
+    except Exception:  # noqa: BLE001 - missing, truncated or from another version: make it again
+        pass
+    value = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, pickle.dumps(value))
+    _keep_newest(path.parent, "*.pickle", KEEP_VALUES)
+    return value
+
+
+def _keep_newest(directory: Path, pattern: str, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used files matching ``pattern``."""
+    files = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+    for old in files[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 class ExecutableCache:
@@ -128,13 +162,8 @@ class ExecutableCache:
                              "programs": [serialize_executable.serialize(p) for p in programs]})
         self.directory.mkdir(parents=True, exist_ok=True)
         path = write_atomically(self.path(key), blob)
-        self._evict()
+        _keep_newest(self.directory, "*.executable", KEEP)
         return path
-
-    def _evict(self) -> None:
-        files = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
-        for old in files[:-KEEP]:
-            old.unlink(missing_ok=True)
 
 
 def custom_call_targets(hlo_text: str) -> set[str]:
@@ -164,5 +193,5 @@ def usable() -> bool:
     return jax.process_count() == 1 and jax.default_backend() == "gpu"
 
 
-__all__ = ["ExecutableCache", "custom_call_targets", "environment", "program_key",
-           "register_handlers", "source_digest", "usable"]
+__all__ = ["ExecutableCache", "custom_call_targets", "environment", "load_or_make", "program_key",
+           "register_handlers", "source_digest", "usable", "value_key"]

@@ -105,7 +105,7 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
     t_start = time.time()
     # The newest checkpoint's files are hashed while the model is traced below.
     verified = verify_newest_ahead(workdir / "checkpoints")
-    from k3jax.model import K3Model, abstract_variables_and_axes
+    from k3jax.model import K3Model
     from k3jax.parallel import (
         compile_in_background,
         init_sharded_state,
@@ -123,8 +123,9 @@ def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
     log(f"[data] {data.description}")
     micro = cfg.data.batch_size // cfg.train.micro_batches
     rules = cfg.mesh.rules
-    # One trace of the initialiser gives the shapes and the axis names for everything below.
-    variables, variable_axes = abstract_variables_and_axes(cfg.model, (micro, cfg.data.seq_len))
+    # The shapes and the axis names for everything below.
+    variables, variable_axes = variable_shapes(cfg.model, (micro, cfg.data.seq_len),
+                                               _cache_directory())
     params, axes = variables["params"], variable_axes["params"]
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, params, axes)
 
@@ -395,16 +396,39 @@ def _abstract(host_batch: dict) -> dict:
     return {k: jax.ShapeDtypeStruct(host_batch[k].shape, host_batch[k].dtype) for k in BATCH_KEYS}
 
 
+def _cache_directory() -> Path | None:
+    """jax's persistent compilation cache's directory when that cache is on, else None: the
+    library keeps what it caches itself beside it."""
+    directory = jax.config.jax_compilation_cache_dir
+    return Path(directory) if jax.config.jax_enable_compilation_cache and directory else None
+
+
+def variable_shapes(model_cfg, batch_shape: tuple[int, int],
+                    cache_dir: Path | None) -> tuple[dict, dict]:
+    """:func:`~k3jax.model.abstract_variables_and_axes`, kept in ``cache_dir`` (when given) under
+    a key of the model config, ``batch_shape`` and the environment
+    (:func:`~k3jax.parallel.executable_cache.value_key`): a resumed run, or another run of the
+    same model, skips the initialiser's trace (seconds for ``k3_small``)."""
+    from k3jax.model import abstract_variables_and_axes
+    from k3jax.parallel.executable_cache import load_or_make, value_key
+
+    def make():
+        return abstract_variables_and_axes(model_cfg, batch_shape)
+
+    if cache_dir is None:
+        return make()
+    key = value_key(("abstract_variables_and_axes", model_cfg, batch_shape))
+    return load_or_make(cache_dir / "k3jax-shapes", key, make)
+
+
 def _step_cache():
     """An :class:`~k3jax.parallel.executable_cache.ExecutableCache` of train steps next to jax's
     persistent compilation cache, when that is on and one process runs
     (:func:`~k3jax.parallel.executable_cache.usable`); else None."""
     from k3jax.parallel.executable_cache import ExecutableCache, usable
 
-    directory = jax.config.jax_compilation_cache_dir
-    if not (jax.config.jax_enable_compilation_cache and directory and usable()):
-        return None
-    return ExecutableCache(Path(directory) / "k3jax-steps")
+    directory = _cache_directory()
+    return ExecutableCache(directory / "k3jax-steps") if directory and usable() else None
 
 
 def _record_first_step(writer: MetricsWriter, log, compiled, step: int, waited: float,
