@@ -18,7 +18,10 @@ Times count from this script's start, before the sampled script's imports. A sam
 the time since the one before (the sampler runs late while the main thread holds the interpreter
 lock). Only the main thread is sampled: the compiles and the initialisation that other threads run
 beside it show up as its ``wait``, where it waits in Python (a wait inside a jax call, e.g.
-``block_until_ready``, counts as ``python``). Sampling every 0.1 s costs the run little.
+``block_until_ready``, counts as ``python``). Sampling every 0.1 s costs the run little. The
+phases' totals hold; which function inside a phase a sample names does not always (a sample lands
+where the main thread gives up the interpreter lock): for that, profile the phase with
+``cProfile``.
 
     PYTHONPATH=. python3 benchmarks/host_timeline.py -- benchmarks/step_profile.py \\
         --config k3_small --warmup 1 --steps 3 --trace-steps 1
