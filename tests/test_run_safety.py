@@ -33,10 +33,13 @@ from k3jax.train import checkpoint
 from k3jax.train.checkpoint import (
     MANIFEST,
     UNRESTORABLE,
+    CheckpointDamaged,
     Checkpointer,
     CheckpointSaveError,
     abstract_like,
+    verify_manifest,
     verify_newest_ahead,
+    write_manifest,
 )
 from k3jax.train.resume import check_schedule, history
 from k3jax.train.workdir import LOCK_FILE, WorkdirInUse, WorkdirLock
@@ -115,6 +118,37 @@ def test_damaged_checkpoint_is_named_moved_aside_and_the_older_one_used(tmp_path
     assert reason in lines[0] and str(tmp_path / UNRESTORABLE / "4") in lines[0]
     assert (tmp_path / UNRESTORABLE / "4").is_dir()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_manifest_hashes_pieces_in_parallel_and_reads_whole_file_manifests(tmp_path,
+                                                                           monkeypatch):
+    """Each file's pieces are hashed (a change in any piece is caught, and a file of an exact
+    number of pieces or none has them all); a manifest written before pieces, one SHA-256 a whole
+    file, still verifies and still catches a change."""
+    monkeypatch.setattr(checkpoint, "HASH_PIECE_BYTES", 1024)
+    rng = np.random.default_rng(0)
+    sizes = {"big": 5000, "exact": 2048, "empty": 0, "small": 10}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(rng.bytes(size))
+    write_manifest(tmp_path)
+    recorded = json.loads((tmp_path / MANIFEST).read_text())
+    assert {n: len(e["sha256"]) for n, e in recorded["files"].items()} == {
+        "big": 5, "exact": 2, "empty": 1, "small": 1}
+    assert recorded["files"]["big"]["sha256"][2] == hashlib.sha256(
+        (tmp_path / "big").read_bytes()[2048:3072]).hexdigest()
+    verify_manifest(tmp_path)
+    data = bytearray((tmp_path / "big").read_bytes())
+    data[2500] ^= 1  # inside the third piece
+    (tmp_path / "big").write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match="file big changed"):
+        verify_manifest(tmp_path)
+    whole = {n: {"size": size, "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}
+             for n, size in sizes.items()}
+    (tmp_path / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": whole}))
+    verify_manifest(tmp_path)
+    (tmp_path / "small").write_bytes(rng.bytes(10))
+    with pytest.raises(CheckpointDamaged, match="file small changed"):
+        verify_manifest(tmp_path)
 
 
 def test_the_check_made_ahead_is_the_one_taken(tmp_path, monkeypatch):

@@ -6,8 +6,9 @@ parameters, optimiser state, MoE ``balance`` biases, step, RNG, non-finite count
 
 Orbax 0.12.4 checks no content on restore (its zarr3 layout checksums only the shard index; bytes
 changed inside a data file restore silently), so the last act of every save is a manifest
-(:data:`MANIFEST`: the SHA-256 and size of every file of the step directory), and a checkpoint is
-restored only after its files match it. A checkpoint that does not (no manifest: the save never
+(:data:`MANIFEST`: the size of every file of the step directory and the SHA-256 of each of its
+pieces of :data:`HASH_PIECE_BYTES`, hashed on all cores), and a checkpoint is restored only after
+its files match it. A checkpoint that does not (no manifest: the save never
 finished; a file changed, missing or extra) is named in one line, moved to
 ``checkpoints_unrestorable/`` and the next older one is tried. A config whose model, optimiser or
 data differs from the checkpoint's (:data:`MUST_MATCH`) is an error naming the differing fields;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +44,11 @@ MUST_MATCH = ("model", "optim", "data", "train.micro_batches")
 MAY_DIFFER = ("model.mla.documents", "data.cache_dir", "data.corpus",
               *(f"optim.{name}" for name in SCHEDULE_FIELDS))
 MANIFEST = "content_sha256.json"
+# A file is hashed in pieces of this size, the pieces of all files at once on a thread each (the
+# hash and the reads let go of the interpreter lock): one SHA-256 of a large state's one big file
+# is a single core's work, seconds on every save and resume. A manifest without "piece_bytes"
+# (written before) has one SHA-256 per whole file.
+HASH_PIECE_BYTES = 64 << 20
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names an unfinished save STEP.orbax-checkpoint-tmp-T
 UNRESTORABLE = "checkpoints_unrestorable"
 
@@ -238,9 +245,13 @@ def verify_newest_ahead(directory: str | Path) -> dict[int, Future]:
 def write_manifest(step_dir: Path) -> None:
     """Hash every file of a finished save; written last (atomically), so its presence says the
     save completed."""
-    files = {str(f.relative_to(step_dir)): _file_entry(f) for f in _files(step_dir)}
-    write_atomically(step_dir / MANIFEST, json.dumps({"algorithm": "sha256", "files": files},
-                                                     indent=0))
+    files = {str(f.relative_to(step_dir)): f for f in _files(step_dir)}
+    sizes = [f.stat().st_size for f in files.values()]
+    digests = _piece_digests(list(zip(files.values(), sizes)), HASH_PIECE_BYTES)
+    entries = {name: {"size": size, "sha256": digest}
+               for name, size, digest in zip(files, sizes, digests)}
+    write_atomically(step_dir / MANIFEST, json.dumps(
+        {"algorithm": "sha256", "piece_bytes": HASH_PIECE_BYTES, "files": entries}, indent=0))
 
 
 def verify_manifest(step_dir: Path) -> None:
@@ -249,17 +260,24 @@ def verify_manifest(step_dir: Path) -> None:
     if not manifest.is_file():
         raise CheckpointDamaged(f"no {MANIFEST}: the save did not finish")
     try:
-        want = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        recorded = json.loads(manifest.read_text())
+        want, piece = recorded["files"], recorded.get("piece_bytes")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointDamaged(f"{MANIFEST} is unreadable ({e})") from None
     have = {str(f.relative_to(step_dir)) for f in _files(step_dir)}
     if missing := sorted(set(want) - have):
         raise CheckpointDamaged(f"file {missing[0]} is missing ({len(missing)} in all)")
     if extra := sorted(have - set(want)):
         raise CheckpointDamaged(f"file {extra[0]} was not part of the save")
+    changed = "changed since it was saved (size or SHA-256)"
     for name, entry in want.items():
-        if _file_entry(step_dir / name) != entry:
-            raise CheckpointDamaged(f"file {name} changed since it was saved (size or SHA-256)")
+        if (step_dir / name).stat().st_size != entry["size"]:
+            raise CheckpointDamaged(f"file {name} {changed}")
+    digests = _piece_digests([(step_dir / name, entry["size"]) for name, entry in want.items()],
+                             piece)
+    for (name, entry), digest in zip(want.items(), digests):
+        if digest != (entry["sha256"] if piece else [entry["sha256"]]):
+            raise CheckpointDamaged(f"file {name} {changed}")
 
 
 def _files(step_dir: Path) -> list[Path]:
@@ -267,10 +285,35 @@ def _files(step_dir: Path) -> list[Path]:
                   and not f.name.startswith(f".{MANIFEST}"))
 
 
-def _file_entry(path: Path) -> dict:
+def _piece_digests(files: list[tuple[Path, int]], piece: int | None) -> list[list[str]]:
+    """SHA-256 hex digests of each ``piece``-byte piece of every ``(path, size)`` (one piece, the
+    whole file, when ``piece`` is None; an empty file is one empty piece), all pieces hashed in
+    parallel."""
+    pieces = []  # (which file, path, start, length)
+    for i, (path, size) in enumerate(files):
+        step = piece or max(size, 1)
+        pieces += [(i, path, start, min(step, size - start))
+                   for start in range(0, size, step) or [0]]
+    digests: list[list[str]] = [[] for _ in files]
+    with ThreadPoolExecutor(max(1, min(len(pieces), os.cpu_count() or 1)),
+                            thread_name_prefix="hash") as pool:
+        for (i, *_), digest in zip(pieces, pool.map(_piece_digest, [p[1:] for p in pieces])):
+            digests[i].append(digest)
+    return digests
+
+
+def _piece_digest(piece: tuple[Path, int, int]) -> str:
+    path, start, length = piece
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"size": path.stat().st_size, "sha256": digest}
+        f.seek(start)
+        while length > 0:
+            block = f.read(min(length, 8 << 20))
+            if not block:
+                break  # shorter than recorded: the digest differs
+            digest.update(block)
+            length -= len(block)
+    return digest.hexdigest()
 
 
 def _reason(error: Exception) -> str:
