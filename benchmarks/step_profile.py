@@ -62,6 +62,7 @@ from k3jax.parallel import (
     init_sharded_state,
     make_mesh,
     sharded_state_shapes,
+    start_devices,
 )
 from k3jax.parallel.compile_cache import use_compilation_cache
 from k3jax.sweep.ladder import scale_width
@@ -81,6 +82,7 @@ def build(cfg, docs: int = 1):
     micro = cfg.data.batch_size // cfg.train.micro_batches
     shape = (micro, cfg.data.seq_len)
     mesh, rules = make_mesh(cfg.mesh), cfg.mesh.rules
+    start_devices(mesh)
     variables, axes = abstract_variables_and_axes(cfg.model, shape)
     optimizer = build_optimizer(cfg.optim, cfg.train.steps, variables["params"], axes["params"])
 

@@ -5,7 +5,13 @@ the mesh and rules that :func:`use_mesh` makes current.
 """
 
 from k3jax.parallel.distributed import initialize_distributed, local_batch_rows, make_global_batch
-from k3jax.parallel.mesh import check_experts_fit, expert_axis_size, make_mesh, use_mesh
+from k3jax.parallel.mesh import (
+    check_experts_fit,
+    expert_axis_size,
+    make_mesh,
+    start_devices,
+    use_mesh,
+)
 from k3jax.parallel.sharding import (
                                         batch_sharding,
                                         batch_shards,
@@ -31,4 +37,5 @@ __all__ = ["abstract_batch", "batch_placement", "batch_sharding", "batch_shards"
            "init_on_one_device", "init_sharded", "init_sharded_state", "initialize_distributed",
            "local_batch_rows",
            "logical_to_sharding", "make_global_batch", "make_mesh", "sharded_state_shapes",
-           "sharded_step", "shardings_of", "under_mesh", "use_mesh", "variable_shardings"]
+           "sharded_step", "shardings_of", "start_devices", "under_mesh", "use_mesh",
+           "variable_shardings"]

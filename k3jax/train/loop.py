@@ -92,9 +92,10 @@ def run(cfg, workdir: str | Path, log=None) -> dict:
 def _mesh_and_batch_placement(cfg):
     """The run's device mesh and :func:`~k3jax.parallel.batch_placement`'s function for it;
     ConfigError for experts or a batch the mesh cannot split."""
-    from k3jax.parallel import batch_placement, check_experts_fit, make_mesh
+    from k3jax.parallel import batch_placement, check_experts_fit, make_mesh, start_devices
 
     mesh = make_mesh(cfg.mesh)
+    start_devices(mesh)
     if cfg.model.moe is not None:
         check_experts_fit(mesh, cfg.mesh.rules, cfg.model.moe.num_experts)
     return mesh, batch_placement(mesh, cfg.mesh.rules, cfg.data.batch_size)
