@@ -132,6 +132,23 @@ def test_make_mesh_and_errors():
         kp.check_experts_fit(kp.make_mesh(MeshConfig(data=2, expert=4)), MeshConfig().rules, 6)
 
 
+def test_start_devices_puts_one_array_on_each_local_device(monkeypatch):
+    import k3jax.parallel.mesh as mesh_module
+
+    mesh = kp.make_mesh(MeshConfig(data=-1))
+    sent, put = [], jax.device_put
+
+    def device_put(x, device):
+        sent.append(device)
+        return put(x, device)
+
+    monkeypatch.setattr(mesh_module.jax, "device_put", device_put)
+    thread = kp.start_devices(mesh)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert sorted(d.id for d in sent) == sorted(d.id for d in mesh.local_devices)
+
+
 def test_batch_sharding_and_constraint():
     cfg = MeshConfig(data=2, expert=4)
     mesh = kp.make_mesh(cfg)

@@ -95,10 +95,11 @@ def _mesh_and_batch_placement(cfg):
     from k3jax.parallel import batch_placement, check_experts_fit, make_mesh, start_devices
 
     mesh = make_mesh(cfg.mesh)
-    start_devices(mesh)
     if cfg.model.moe is not None:
         check_experts_fit(mesh, cfg.mesh.rules, cfg.model.moe.num_experts)
-    return mesh, batch_placement(mesh, cfg.mesh.rules, cfg.data.batch_size)
+    place = batch_placement(mesh, cfg.mesh.rules, cfg.data.batch_size)
+    start_devices(mesh)  # once the run is not refused: a refused run touches no device
+    return mesh, place
 
 
 def _run_locked(cfg, workdir: Path, data, mesh, place, log, first_step: Future,
