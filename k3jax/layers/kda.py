@@ -17,6 +17,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
+from k3jax.ops.fp32_projection import fp32_projection
 from k3jax.ops.kda import kda, kda_decode
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
 
@@ -101,10 +102,12 @@ class KDALayer(nn.Module):
     def _gates(self, x):
         """Log-decay ``g [..., H, K]`` (fp32) and ``beta [..., H]`` (fp32) from ``x [..., d]``."""
         k = self.cfg.kda
-        x32 = x.astype(jnp.float32)
-        f = (x32 @ self.w_fa.astype(jnp.float32)) @ self.w_fb.astype(jnp.float32) + self.dt_bias
+        # x's two fp32 projections side by side: one pass over x.
+        both = fp32_projection(x, jnp.concatenate([self.w_fa.astype(jnp.float32),
+                                                   self.w_beta.astype(jnp.float32)], axis=1))
+        f = both[..., :k.gate_rank] @ self.w_fb.astype(jnp.float32) + self.dt_bias
         g = kda_gate(self._heads(f), self.A_log, k.gate, k.lower_bound)
-        beta = jax.nn.sigmoid(x32 @ self.w_beta.astype(jnp.float32))
+        beta = jax.nn.sigmoid(both[..., k.gate_rank:])
         return g, (2.0 * beta if k.allow_neg_eigval else beta)
 
     def _output(self, x, o):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.fp32_projection import fp32_projection
+
 # Added to the sum of the chosen scores before renormalising (math §6), so an all-zero row stays
 # finite.
 RENORM_EPS = 1e-20
@@ -17,9 +19,7 @@ RENORM_EPS = 1e-20
 def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
     """``sigmoid(x W)`` in fp32. ``x`` ``[..., d]``, ``w_router`` ``[d, E]`` -> ``[..., E]``
     fp32."""
-    logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return jax.nn.sigmoid(logits)
+    return jax.nn.sigmoid(fp32_projection(x, w_router))
 
 
 def select_experts(scores: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
