@@ -55,10 +55,16 @@ def test_bf16_activations_times_fp32_weights_are_fp32_exact():
 
 
 def test_bf16_parts_sum_to_the_fp32_value():
+    """Compiled, as the model runs it; the roundings are reduce_precision, which no compiler
+    drops (a GPU compiler removes an f32 -> bf16 -> f32 cast pair as excess precision, which
+    would make the second and third parts zero: a CPU keeps the pair, so the lowered program is
+    checked for what it rounds with)."""
     w = jax.random.normal(jax.random.key(1), (4096,)) * 0.05
-    hi, mid, lo = bf16_parts(w)
+    hi, mid, lo = jax.jit(bf16_parts)(w)
     total = hi.astype(jnp.float32) + mid.astype(jnp.float32) + lo.astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(total), np.asarray(w))
+    assert np.count_nonzero(np.asarray(lo)) > len(w) // 2
+    assert jax.jit(bf16_parts).lower(w).as_text().count("reduce_precision") == 2
 
 
 def test_fp32_activations_take_the_fp32_product():

@@ -4,8 +4,9 @@ bf16 activations by fp32 weights, on bf16 tensor cores.
 Every product of a bf16 ``x`` with an fp32 weight is exact in fp32 once the weight is written as
 the sum of three bf16 parts (8 + 8 + 8 significand bits cover fp32's 24): ``x W = x W_1 + x W_2
 + x W_3``, one bf16 matmul against the parts side by side, accumulated in fp32. That is the fp32
-product (``Precision.HIGHEST``) up to the order of the sums, where an fp32 matmul of these skinny
-shapes (``[N, d] x [d, 16]``) runs far below the memory bandwidth on a GPU. The gradients split
+product (``Precision.HIGHEST``) up to the order of the sums, where an fp32 matmul of these
+shapes (many tokens, few columns: the experts, the gate's rank and heads) runs far below the
+memory bandwidth on a GPU. The gradients split
 the same way: ``dW = x^T dY`` exactly (``dY`` in three parts), and ``dx = dY W^T`` from the
 three largest cross terms (relative error ~2^-16, under the bf16 ``dx``'s own rounding).
 
@@ -19,12 +20,20 @@ import jax.numpy as jnp
 
 
 def bf16_parts(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``a`` (fp32) as three bf16 arrays whose sum is ``a`` to fp32's precision: each the
-    rounding of what the ones before it leave."""
-    hi = a.astype(jnp.bfloat16)
-    rest = a - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    """``a`` (fp32) as three bf16 arrays whose sum is ``a``: each the rounding of what the ones
+    before it leave. Exact for finite ``|a|`` from ~1e-31 (the last part's smallest normal) to
+    ~3.4e38 (above it the first part rounds to inf).
+
+    The roundings are ``reduce_precision`` in fp32, each cast to bf16 only once it is exact:
+    XLA's GPU compiler drops an ``f32 -> bf16 -> f32`` round trip as excess precision, which
+    would leave the first part alone."""
+    def bf16_rounded(v):
+        return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+
+    hi = bf16_rounded(a)
+    rest = a - hi
+    mid = bf16_rounded(rest)
+    return tuple(p.astype(jnp.bfloat16) for p in (hi, mid, rest - mid))
 
 
 def fp32_projection(x: jax.Array, w: jax.Array) -> jax.Array:
