@@ -7,6 +7,9 @@ only (:func:`~k3jax.parallel.executable_cache.usable`).
 """
 
 import dataclasses
+import json
+import subprocess
+import sys
 import time
 import warnings
 
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import least_squares_args, least_squares_step
 from jax.sharding import NamedSharding, PartitionSpec
+from suite_env import subprocess_env
 
 from k3jax.config.mesh import MeshConfig
 from k3jax.parallel import executable_cache, make_mesh
@@ -194,3 +198,18 @@ def test_variable_shapes_trace_the_initialiser_once_per_model(tmp_path, monkeypa
     assert variable_shapes(cfg, (1, 8), tmp_path) == fresh and len(traced) == 2
     variable_shapes(dataclasses.replace(cfg, d_model=64), (1, 8), tmp_path)
     assert len(traced) == 3
+
+
+def test_the_environment_does_not_change_when_jax_test_utilities_are_imported():
+    """A module that imports jax's test utilities defines their options; on a GPU the Mosaic ragged
+    dot does during the first trace, so a run that traced before computing its key and a resumed
+    one that did not must agree. In a fresh process: the suite itself imports them."""
+    code = ("import json, jax\n"
+            "from k3jax.parallel.executable_cache import environment\n"
+            "before = environment()['options']\n"
+            "import jax._src.test_util\n"
+            "print(json.dumps([sorted(before), sorted(environment()['options'])]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), check=True)
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == after

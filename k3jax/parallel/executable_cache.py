@@ -36,9 +36,14 @@ SOURCE_PACKAGES = ("k3jax", "pallas_kernels")
 # Distributions whose code runs while the step is traced or compiled.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "numpy", "ml_dtypes")
 ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
-# jax options about caching and logging, which do not change a program.
+# jax options about caching, logging and jax's own tests, which do not change a program. The test
+# options exist only once a module has imported jax's test utilities (the Mosaic GPU ragged dot
+# does, when a trace first reaches it): kept in the key, a run that traced before computing it
+# (the initialiser, for the variables' shapes) and one that did not (the shapes read back) had
+# different keys for one program, and a resumed run compiled its step again.
 IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
-                   "jax_debug_log", "jax_logging")
+                   "jax_debug_log", "jax_logging", "jax_test", "jax_num_generated_cases",
+                   "jax_skip_slow_tests")
 KEEP = 8  # programs kept per directory, the most recently used (k3_small's step: 29 MB)
 KEEP_VALUES = 64  # values kept per directory (k3_small's variable shapes: 21 kB)
 T = TypeVar("T")
@@ -79,7 +84,7 @@ def environment() -> dict:
         "sources": source_digest(_package_roots()),
         "versions": _library_versions(),
         "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
-                    if not k.startswith(IGNORED_OPTIONS)},
+                    if k.startswith("jax_") and not k.startswith(IGNORED_OPTIONS)},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         "runtime": (backend.platform, backend.platform_version),
     }
