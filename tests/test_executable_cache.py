@@ -200,13 +200,21 @@ def test_variable_shapes_trace_the_initialiser_once_per_model(tmp_path, monkeypa
     assert len(traced) == 3
 
 
-def test_the_environment_does_not_change_when_jax_test_utilities_are_imported():
-    """A module that imports jax's test utilities defines their options; on a GPU the Mosaic ragged
-    dot does during the first trace, so a run that traced before computing its key and a resumed
-    one that did not must agree. In a fresh process: the suite itself imports them."""
-    code = ("import json, jax\n"
+def test_the_environment_does_not_change_when_the_kernels_are_imported():
+    """The kernels' modules are imported on first use, inside a trace: on a GPU the first trace
+    of the MoE imports jax's Mosaic ragged dot, which imports jax's test utilities and their
+    options. A run that traced before computing its key and a resumed one that did not must
+    agree, so importing every module a step can import late changes nothing the key reads. In
+    a fresh process: the suite itself imports them."""
+    code = ("import importlib, json, pkgutil, jax\n"
             "from k3jax.parallel.executable_cache import environment\n"
             "before = environment()['options']\n"
+            "for package in ('pallas_kernels', 'k3jax.ops'):\n"
+            "    path = importlib.import_module(package).__path__\n"
+            "    for m in pkgutil.iter_modules(path):\n"
+            "        importlib.import_module(f'{package}.{m.name}')\n"
+            "import jax.experimental.pallas.ops.gpu.ragged_dot_mgpu\n"
+            "import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu\n"
             "import jax._src.test_util\n"
             "print(json.dumps([sorted(before), sorted(environment()['options'])]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
