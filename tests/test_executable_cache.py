@@ -204,11 +204,15 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
     """The kernels' modules are imported on first use, inside a trace: on a GPU the first trace
     of the MoE imports jax's Mosaic ragged dot, which imports jax's test utilities and their
     options. A run that traced before computing its key and a resumed one that did not must
-    agree, so importing every module a step can import late changes nothing the key reads. In
-    a fresh process: the suite itself imports them."""
+    agree, so importing every module a step can import late changes nothing the key reads (jax's
+    Mosaic GPU module also sets environment variables). In a fresh process: the suite itself
+    imports them."""
     code = ("import importlib, json, pkgutil, jax\n"
             "from k3jax.parallel.executable_cache import environment\n"
-            "before = environment()['options']\n"
+            "def read():\n"
+            "    env = environment()\n"
+            "    return {'options': env['options'], 'env': env['env']}\n"
+            "before = read()\n"
             "for package in ('pallas_kernels', 'k3jax.ops'):\n"
             "    path = importlib.import_module(package).__path__\n"
             "    for m in pkgutil.iter_modules(path):\n"
@@ -216,7 +220,7 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
             "import jax.experimental.pallas.ops.gpu.ragged_dot_mgpu\n"
             "import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu\n"
             "import jax._src.test_util\n"
-            "print(json.dumps([sorted(before), sorted(environment()['options'])]))\n")
+            "print(json.dumps([before, read()]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=subprocess_env(), check=True)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])

@@ -44,6 +44,10 @@ ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
 IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
                    "jax_debug_log", "jax_logging", "jax_test", "jax_num_generated_cases",
                    "jax_skip_slow_tests")
+# Variables jax's Mosaic GPU module sets when it is imported (the kernels import it inside the
+# first trace): the installed libraries' paths, which the library versions already stand for. Kept
+# in the key, they split a resumed run's key from a cold run's as the test options did.
+IGNORED_ENV = ("MOSAIC_GPU_CUDA_ROOT", "MOSAIC_GPU_RUNTIME_LIB_PATH", "MOSAIC_GPU_NVSHMEM_BC_PATH")
 KEEP = 8  # programs kept per directory, the most recently used (k3_small's step: 29 MB)
 KEEP_VALUES = 64  # values kept per directory (k3_small's variable shapes: 21 kB)
 T = TypeVar("T")
@@ -85,7 +89,8 @@ def environment() -> dict:
         "versions": _library_versions(),
         "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
                     if k.startswith("jax_") and not k.startswith(IGNORED_OPTIONS)},
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(ENV_PREFIXES) and k not in IGNORED_ENV},
         "runtime": (backend.platform, backend.platform_version),
     }
 
