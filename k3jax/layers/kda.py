@@ -103,8 +103,7 @@ class KDALayer(nn.Module):
         """Log-decay ``g [..., H, K]`` (fp32) and ``beta [..., H]`` (fp32) from ``x [..., d]``."""
         k = self.cfg.kda
         # x's two fp32 projections side by side: one pass over x.
-        both = fp32_projection(x, jnp.concatenate([self.w_fa.astype(jnp.float32),
-                                                   self.w_beta.astype(jnp.float32)], axis=1))
+        both = fp32_projection(x, jnp.concatenate([self.w_fa, self.w_beta], axis=1))
         f = both[..., :k.gate_rank] @ self.w_fb.astype(jnp.float32) + self.dt_bias
         g = kda_gate(self._heads(f), self.A_log, k.gate, k.lower_bound)
         beta = jax.nn.sigmoid(both[..., k.gate_rank:])

@@ -54,14 +54,11 @@ def _sum_of_thirds(y: jax.Array) -> jax.Array:
     return y[:, :n] + y[:, n:2 * n] + y[:, 2 * n:]
 
 
-def _parts_side_by_side(a: jax.Array) -> jax.Array:
-    return jnp.concatenate(bf16_parts(a), axis=-1)
-
-
 @jax.custom_vjp
 def _bf16_by_fp32(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [m, d]`` bf16, ``w [d, n]`` fp32 -> ``[m, n]`` fp32 (module docstring)."""
-    return _sum_of_thirds(jnp.dot(x, _parts_side_by_side(w), preferred_element_type=jnp.float32))
+    return _sum_of_thirds(jnp.dot(x, jnp.concatenate(bf16_parts(w), axis=-1),
+                                  preferred_element_type=jnp.float32))
 
 
 def _fwd(x, w):
@@ -70,12 +67,14 @@ def _fwd(x, w):
 
 def _bwd(res, dy):
     x, w = res
-    d1, d2, _ = bf16_parts(dy)
+    dy_parts = bf16_parts(dy)
+    d1, d2, _ = dy_parts
     w1, w2, _ = bf16_parts(w)
     # dY W^T from d1 w1 + d1 w2 + d2 w1, as one matmul over the three pairs side by side.
     dx = jnp.dot(jnp.concatenate([d1, d1, d2], axis=-1), jnp.concatenate([w1, w2, w1], axis=-1).T,
                  preferred_element_type=jnp.float32)
-    dw = _sum_of_thirds(jnp.dot(x.T, _parts_side_by_side(dy), preferred_element_type=jnp.float32))
+    dw = _sum_of_thirds(jnp.dot(x.T, jnp.concatenate(dy_parts, axis=-1),
+                                preferred_element_type=jnp.float32))
     return dx.astype(x.dtype), dw
 
 
