@@ -205,9 +205,14 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
     of the MoE imports jax's Mosaic ragged dot, which imports jax's test utilities and their
     options. A run that traced before computing its key and a resumed one that did not must
     agree, so importing every module a step can import late changes nothing the key reads (jax's
-    Mosaic GPU module also sets environment variables). In a fresh process: the suite itself
-    imports them."""
-    code = ("import importlib, json, pkgutil, jax\n"
+    Mosaic GPU module also sets environment variables, NVSHMEM's paths among them where NVSHMEM is
+    installed, as on GPU machines: a stand-in package makes it so here). In a fresh process: the
+    suite itself imports them."""
+    code = ("import importlib, json, pkgutil, sys, types\n"
+            "nvidia, nvshmem = types.ModuleType('nvidia'), types.ModuleType('nvidia.nvshmem')\n"
+            "nvidia.__path__, nvshmem.__path__, nvidia.nvshmem = [], ['/opt/nvshmem'], nvshmem\n"
+            "sys.modules.update({'nvidia': nvidia, 'nvidia.nvshmem': nvshmem})\n"
+            "import jax\n"
             "from k3jax.parallel.executable_cache import environment\n"
             "def read():\n"
             "    env = environment()\n"
@@ -224,4 +229,5 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=subprocess_env(), check=True)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "MOSAIC_GPU_NVSHMEM_SO_PATH" in after["env"]  # the stand-in took effect
     assert before == after

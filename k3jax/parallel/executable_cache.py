@@ -18,6 +18,7 @@ install of jax or flax): delete the cache directory after editing one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -44,10 +45,6 @@ ENV_PREFIXES = ("XLA_", "JAX_", "TF_", "NVIDIA_", "MOSAIC_", "CUDA_")
 IGNORED_OPTIONS = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
                    "jax_debug_log", "jax_logging", "jax_test", "jax_num_generated_cases",
                    "jax_skip_slow_tests")
-# Variables jax's Mosaic GPU module sets when it is imported (the kernels import it inside the
-# first trace): the installed libraries' paths, which the library versions already stand for. Kept
-# in the key, they split a resumed run's key from a cold run's as the test options did.
-IGNORED_ENV = ("MOSAIC_GPU_CUDA_ROOT", "MOSAIC_GPU_RUNTIME_LIB_PATH", "MOSAIC_GPU_NVSHMEM_BC_PATH")
 KEEP = 8  # programs kept per directory, the most recently used (k3_small's step: 29 MB)
 KEEP_VALUES = 64  # values kept per directory (k3_small's variable shapes: 21 kB)
 T = TypeVar("T")
@@ -83,6 +80,7 @@ def _library_versions() -> dict[str, str]:
 def environment() -> dict:
     """What the key takes from the process: sources, library versions, jax's options, the
     ``XLA_*`` / ``JAX_*`` environment and the backend's runtime."""
+    _import_mosaic_gpu()
     backend = jax.devices()[0].client
     return {
         "sources": source_digest(_package_roots()),
@@ -90,9 +88,20 @@ def environment() -> dict:
         "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
                     if k.startswith("jax_") and not k.startswith(IGNORED_OPTIONS)},
         "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(ENV_PREFIXES) and k not in IGNORED_ENV},
+                if k.startswith(ENV_PREFIXES)},
         "runtime": (backend.platform, backend.platform_version),
     }
+
+
+def _import_mosaic_gpu() -> None:
+    """Import jax's Mosaic GPU module, which sets ``MOSAIC_GPU_*`` variables when imported (the
+    CUDA and runtime library paths, and NVSHMEM's where that is installed). The kernels import it
+    inside their first trace: a run that traced before computing its key (the initialiser, for
+    the variables' shapes) and a resumed one that did not (the shapes read back) would otherwise
+    see different environments, and the resumed run compiled its step again. Importing it first
+    keeps whatever it sets, on any install, out of that difference."""
+    with contextlib.suppress(ImportError):
+        import jax.experimental.mosaic.gpu  # noqa: F401
 
 
 def _abstract(x) -> tuple:
