@@ -231,3 +231,19 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert "MOSAIC_GPU_NVSHMEM_SO_PATH" in after["env"]  # the stand-in took effect
     assert before == after
+
+
+def test_a_miss_names_the_parts_of_the_key_that_changed(toy, tmp_path, monkeypatch):
+    """A compiled step says why it was not loaded: the names of the key's parts in which the most
+    recently used stored step differs (nothing stored: nothing to name)."""
+    cache = ExecutableCache(tmp_path)
+    assert toy["compile"](cache).differs == ()
+    assert toy["compile"](cache).differs == ()  # loaded
+    assert toy["compile"](cache, description="toy, another config").differs == ("program",)
+    monkeypatch.setenv("JAX_K3JAX_TEST_MARK", "1")
+    monkeypatch.setattr(executable_cache, "KEEP", 2)
+    assert toy["compile"](cache, description="toy, another config").differs == (
+        "env.JAX_K3JAX_TEST_MARK",)
+    # The oldest program went, and its parts with it.
+    stems = {p.stem for p in tmp_path.glob("*.executable")}
+    assert len(stems) == 2 and {p.stem for p in tmp_path.glob("*.json")} == stems

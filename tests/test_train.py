@@ -290,9 +290,9 @@ def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatc
     stored = executable_cache.ExecutableCache.store
     logged = loop._log_train
 
-    def store(self, key, programs):
+    def store(self, key, programs, parts=None):
         events.append("store")
-        return stored(self, key, programs)
+        return stored(self, key, programs, parts)
 
     def log_train(writer, bar, prog, step, *args):
         events.append(step)
@@ -309,6 +309,7 @@ def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatc
     loop.run(cfg, tmp_path / "run", log=lambda m: None)
     assert events == [1, 2, 3, "store", 4, 5], events
     assert len(list((cache / "k3jax-steps").glob("*.executable"))) == 1
+    assert len(list((cache / "k3jax-steps").glob("*.json"))) == 1  # the key's parts beside it
     assert len(list((cache / "k3jax-shapes").glob("*.pickle"))) == 1  # the variables' shapes
     written = [p.name for p in cache.glob("jit_*")]
     assert written and not [n for n in written if n.startswith(("jit_gradients", "jit_update"))]

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import pickle
 import re
@@ -112,16 +113,42 @@ def value_key(description: object) -> str:
     """The cache key of what ``description`` makes in this process: its ``repr`` (which must name
     everything the value is made from besides the source, e.g. frozen configs) and
     :func:`environment`."""
-    return hashlib.sha256(repr((repr(description), environment())).encode()).hexdigest()[:32]
+    return digest({"value": repr(description), **environment()})
+
+
+def program_parts(description: object, args: tuple, mesh: jax.sharding.Mesh) -> dict:
+    """What a program's key is made of, by name: ``description`` (as in :func:`value_key`), its
+    (abstract) ``args`` with their shardings, ``mesh`` and :func:`environment`'s parts. Stored
+    beside the program, so a miss can say which of them changed
+    (:meth:`ExecutableCache.differences`)."""
+    devices = [(d.id, d.device_kind) for d in mesh.devices.flat]
+    return {"program": repr(description),
+            "arguments": repr((str(jax.tree.structure(args)),
+                               [_abstract(x) for x in jax.tree.leaves(args)])),
+            "mesh": repr((mesh.axis_names, mesh.devices.shape, devices)),
+            **environment()}
 
 
 def program_key(description: object, args: tuple, mesh: jax.sharding.Mesh) -> str:
-    """The cache key of a program: ``description`` (as in :func:`value_key`), its (abstract)
-    ``args`` and ``mesh``."""
-    devices = [(d.id, d.device_kind) for d in mesh.devices.flat]
-    return value_key((description, str(jax.tree.structure(args)),
-                      [_abstract(x) for x in jax.tree.leaves(args)],
-                      (mesh.axis_names, mesh.devices.shape, devices)))
+    """The cache key of a program: the :func:`digest` of its :func:`program_parts`."""
+    return digest(program_parts(description, args, mesh))
+
+
+def digest(parts: dict) -> str:
+    """A key from named parts (JSON values): 32 hex digits of their sha256."""
+    return hashlib.sha256(_json(parts).encode()).hexdigest()[:32]
+
+
+def _json(parts: dict) -> str:
+    return json.dumps(parts, sort_keys=True, default=repr)
+
+
+def _differing(stored, now, name: str = "") -> list[str]:
+    """The dotted names of the leaves in which two JSON values differ."""
+    if isinstance(stored, dict) and isinstance(now, dict):
+        return [n for k in sorted(set(stored) | set(now))
+                for n in _differing(stored.get(k), now.get(k), f"{name}.{k}" if name else k)]
+    return [] if stored == now else [name]
 
 
 def load_or_make(directory: str | Path, key: str, make: Callable[[], T]) -> T:
@@ -142,11 +169,13 @@ def load_or_make(directory: str | Path, key: str, make: Callable[[], T]) -> T:
     return value
 
 
-def _keep_newest(directory: Path, pattern: str, keep: int) -> None:
-    """Remove all but the ``keep`` most recently used files matching ``pattern``."""
+def _keep_newest(directory: Path, pattern: str, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` most recently used files matching ``pattern``; returns the
+    removed paths."""
     files = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
     for old in files[:-keep]:
         old.unlink(missing_ok=True)
+    return files[:-keep]
 
 
 class ExecutableCache:
@@ -173,16 +202,32 @@ class ExecutableCache:
         register_handlers(entry["targets"])
         return [serialize_executable.deserialize_and_load(*p) for p in entry["programs"]]
 
-    def store(self, key: str, programs: Sequence[jax.stages.Compiled]) -> Path:
-        """``programs`` written under ``key`` atomically (a crash leaves no partial file); the
-        oldest files beyond :data:`KEEP` are removed."""
+    def store(self, key: str, programs: Sequence[jax.stages.Compiled],
+              parts: dict | None = None) -> Path:
+        """``programs`` written under ``key`` atomically (a crash leaves no partial file), with the
+        key's ``parts`` (:func:`program_parts`) beside them when given; the oldest files beyond
+        :data:`KEEP` are removed."""
         targets = sorted({t for p in programs for t in custom_call_targets(p.as_text())})
         blob = pickle.dumps({"targets": targets,
                              "programs": [serialize_executable.serialize(p) for p in programs]})
         self.directory.mkdir(parents=True, exist_ok=True)
+        if parts is not None:
+            write_atomically(self.path(key).with_suffix(".json"), _json(parts))
         path = write_atomically(self.path(key), blob)
-        _keep_newest(self.directory, "*.executable", KEEP)
+        for old in _keep_newest(self.directory, "*.executable", KEEP):
+            old.with_suffix(".json").unlink(missing_ok=True)
         return path
+
+    def differences(self, parts: dict) -> list[str]:
+        """The names of the parts (``env.XLA_FLAGS``, ``options.jax_enable_x64``, ``program``,
+        ...) in which the most recently used program's key differs from ``parts``: why a key
+        missed. Empty when no stored program has its parts."""
+        newest = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
+        try:
+            stored = json.loads(newest[-1].with_suffix(".json").read_text())
+        except (IndexError, OSError, ValueError):
+            return []
+        return _differing(stored, json.loads(_json(parts)))
 
 
 def custom_call_targets(hlo_text: str) -> set[str]:
@@ -212,5 +257,6 @@ def usable() -> bool:
     return jax.process_count() == 1 and jax.default_backend() == "gpu"
 
 
-__all__ = ["ExecutableCache", "custom_call_targets", "environment", "load_or_make", "program_key",
-           "register_handlers", "source_digest", "usable", "value_key"]
+__all__ = ["ExecutableCache", "custom_call_targets", "digest", "environment", "load_or_make",
+           "program_key", "program_parts", "register_handlers", "source_digest", "usable",
+           "value_key"]

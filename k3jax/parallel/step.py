@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
-from k3jax.parallel.executable_cache import ExecutableCache, program_key
+from k3jax.parallel.executable_cache import ExecutableCache, digest, program_parts
 from k3jax.parallel.kernel_precompile import compile_kernels_async
 from k3jax.parallel.mesh import use_mesh
 from k3jax.parallel.sharding import (
@@ -144,12 +144,14 @@ class MeshStep:
         """
         done: Future = Future()
         args = (state, batch, data)
-        key = program_key((description, self.donate), args, self.mesh) if cache else None
+        parts = program_parts((description, self.donate), args, self.mesh) if cache else None
+        key = digest(parts) if cache else None
         if cache is not None and cache.has(key):
-            work, work_args = self._load, (cache, key, args, done)
+            work, work_args = self._load, (cache, key, parts, args, done)
         else:
-            work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, done,
-                                             store_after)
+            differs = tuple(cache.differences(parts)) if cache is not None else ()
+            work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, parts,
+                                             done, store_after, differs)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
@@ -173,30 +175,32 @@ class MeshStep:
             pool.shutdown(wait=False)  # the workers finish what they were given
         return futures, seconds, started[0]
 
-    def _finish(self, compiles, cache, key, done: Future, store_after: Future | None) -> None:
+    def _finish(self, compiles, cache, key, key_parts, done: Future, store_after: Future | None,
+                differs: tuple[str, ...] = ()) -> None:
         futures, seconds, t0 = compiles
         parts = tuple(f.result() for f in futures)
         stored: Future = Future()
         done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
-                                     stored))
+                                     stored, differs))
         # Written after the result is out: the first step does not wait for the write.
         path = None
         if cache is not None:
             if store_after is not None:
                 wait([store_after])
             try:
-                path = cache.store(key, parts)
+                path = cache.store(key, parts, key_parts)
             except Exception as e:  # noqa: BLE001 - a step not stored is only compiled again
                 warnings.warn(f"the compiled step was not stored in {cache.directory}: {e!r}")
         stored.set_result(path)
 
-    def _load(self, cache, key, args, done: Future) -> None:
+    def _load(self, cache, key, key_parts, args, done: Future) -> None:
         t0 = time.perf_counter()
         try:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args, cache), cache, key, done, None)
+            return self._finish(self._start_compiles(args, cache), cache, key, key_parts, done,
+                                None)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
@@ -226,11 +230,14 @@ class CompiledStep(NamedTuple):
     ``compile_s`` (XLA, from the first worker's start until both are done: it overlaps the
     update's trace and lowering), or ``load_s`` alone when they came from the executable cache;
     ``stored``: a future of the cache file that holds them (None without a cache), done once it
-    is written."""
+    is written; ``differs``: when compiled with a cache, the parts of the key in which the most
+    recently used stored step's differ (why it was compiled: ``ExecutableCache.differences``),
+    else empty."""
 
     parts: tuple[jax.stages.Compiled, jax.stages.Compiled]
     seconds: dict[str, float]
     stored: Future | None = None
+    differs: tuple[str, ...] = ()
 
     def run(self, state, batch, data):
         """One step: ``(state, batch, data) -> (state, metrics)``."""

@@ -35,6 +35,7 @@ from k3jax.train.workdir import LOG_FILE, RunLog, check_workdir, lock_run
 # Fault injection for the resume test: SIGKILL this process right after this step is dispatched.
 KILL_ENV = "K3JAX_FAULT_KILL_AFTER_STEP"
 EVAL_KEYS = ("loss", "bpb", "accuracy")  # what the metrics and the summary keep of an evaluation
+MISS_NAMES = 6  # parts of a missed step key the log names
 
 
 class NonFiniteError(RuntimeError):
@@ -445,6 +446,11 @@ def _record_first_step(writer: MetricsWriter, log, compiled, step: int, waited: 
     log(f"[compile] first train step done {since_start:.1f} s after the start; "
         f"{_compile_words(compiled.seconds)} while the state was set up, then the step waited "
         f"{waited:.1f} s")
+    if compiled.differs:
+        shown = ", ".join(compiled.differs[:MISS_NAMES])
+        more = len(compiled.differs) - MISS_NAMES
+        log(f"[compile] no stored step matched: the most recently used one was made with other "
+            f"{shown}{f' and {more} more' if more > 0 else ''} (docs/runs.md)")
     log(memory_line(state_bytes, temp))
 
 
