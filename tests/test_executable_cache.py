@@ -247,3 +247,15 @@ def test_a_miss_names_the_parts_of_the_key_that_changed(toy, tmp_path, monkeypat
     # The oldest program went, and its parts with it.
     stems = {p.stem for p in tmp_path.glob("*.executable")}
     assert len(stems) == 2 and {p.stem for p in tmp_path.glob("*.json")} == stems
+
+
+def test_the_miss_line_names_the_first_parts_and_counts_the_rest():
+    from k3jax.train.loop import MISS_NAMES, miss_line
+
+    assert miss_line(("env.XLA_FLAGS",)) == (
+        "[compile] no stored step matched: the most recently used one was made with other "
+        "env.XLA_FLAGS (docs/runs.md)")
+    names = tuple(f"options.jax_{i}" for i in range(MISS_NAMES + 3))
+    line = miss_line(names)
+    assert f"options.jax_{MISS_NAMES - 1} and 3 more" in line
+    assert f"options.jax_{MISS_NAMES}" not in line

@@ -447,11 +447,17 @@ def _record_first_step(writer: MetricsWriter, log, compiled, step: int, waited: 
         f"{_compile_words(compiled.seconds)} while the state was set up, then the step waited "
         f"{waited:.1f} s")
     if compiled.differs:
-        shown = ", ".join(compiled.differs[:MISS_NAMES])
-        more = len(compiled.differs) - MISS_NAMES
-        log(f"[compile] no stored step matched: the most recently used one was made with other "
-            f"{shown}{f' and {more} more' if more > 0 else ''} (docs/runs.md)")
+        log(miss_line(compiled.differs))
     log(memory_line(state_bytes, temp))
+
+
+def miss_line(differs: tuple[str, ...]) -> str:
+    """The log's line on a step compiled although steps were stored: the first
+    :data:`MISS_NAMES` parts of the key that differ (``CompiledStep.differs``)."""
+    more = len(differs) - MISS_NAMES
+    return (f"[compile] no stored step matched: the most recently used one was made with other "
+            f"{', '.join(differs[:MISS_NAMES])}{f' and {more} more' if more > 0 else ''} "
+            "(docs/runs.md)")
 
 
 def _compile_words(seconds: dict) -> str:
