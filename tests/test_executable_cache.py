@@ -206,8 +206,9 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
     options. A run that traced before computing its key and a resumed one that did not must
     agree, so importing every module a step can import late changes nothing the key reads (jax's
     Mosaic GPU module also sets environment variables, NVSHMEM's paths among them where NVSHMEM is
-    installed, as on GPU machines: a stand-in package makes it so here). In a fresh process: the
-    suite itself imports them."""
+    installed). In a fresh process (the suite itself imports them) that looks like a GPU machine's:
+    a stand-in NVSHMEM package, and jax's backend named "gpu" for the key, which on the CPU does
+    not import the Mosaic GPU module (no trace there imports it)."""
     code = ("import importlib, json, pkgutil, sys, types\n"
             "nvidia, nvshmem = types.ModuleType('nvidia'), types.ModuleType('nvidia.nvshmem')\n"
             "nvidia.__path__, nvshmem.__path__, nvidia.nvshmem = [], ['/opt/nvshmem'], nvshmem\n"
@@ -217,6 +218,9 @@ def test_the_environment_does_not_change_when_the_kernels_are_imported():
             "def read():\n"
             "    env = environment()\n"
             "    return {'options': env['options'], 'env': env['env']}\n"
+            "read()\n"
+            "assert 'jax.experimental.mosaic.gpu' not in sys.modules  # no start-up cost on CPUs\n"
+            "jax.default_backend = lambda: 'gpu'\n"
             "before = read()\n"
             "for package in ('pallas_kernels', 'k3jax.ops'):\n"
             "    path = importlib.import_module(package).__path__\n"

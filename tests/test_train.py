@@ -290,9 +290,9 @@ def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatc
     stored = executable_cache.ExecutableCache.store
     logged = loop._log_train
 
-    def store(self, key, programs, parts=None):
+    def store(self, key, programs):
         events.append("store")
-        return stored(self, key, programs, parts)
+        return stored(self, key, programs)
 
     def log_train(writer, bar, prog, step, *args):
         events.append(step)

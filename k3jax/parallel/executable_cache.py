@@ -81,8 +81,9 @@ def _library_versions() -> dict[str, str]:
 def environment() -> dict:
     """What the key takes from the process: sources, library versions, jax's options, the
     ``XLA_*`` / ``JAX_*`` environment and the backend's runtime."""
-    _import_mosaic_gpu()
     backend = jax.devices()[0].client
+    if jax.default_backend() == "gpu":
+        _import_mosaic_gpu()
     return {
         "sources": source_digest(_package_roots()),
         "versions": _library_versions(),
@@ -100,7 +101,8 @@ def _import_mosaic_gpu() -> None:
     inside their first trace: a run that traced before computing its key (the initialiser, for
     the variables' shapes) and a resumed one that did not (the shapes read back) would otherwise
     see different environments, and the resumed run compiled its step again. Importing it first
-    keeps whatever it sets, on any install, out of that difference."""
+    keeps whatever it sets, on any install, out of that difference. Only on GPUs: elsewhere no
+    trace imports it, and the import costs a start-up 0.2 s."""
     with contextlib.suppress(ImportError):
         import jax.experimental.mosaic.gpu  # noqa: F401
 
@@ -179,7 +181,9 @@ def _keep_newest(directory: Path, pattern: str, keep: int) -> list[Path]:
 
 
 class ExecutableCache:
-    """Compiled programs in ``directory``, one file per key: :meth:`load`, :meth:`store`.
+    """Compiled programs in ``directory``, one file per key, each with its key's parts beside it:
+    :meth:`load`, :meth:`store`, :meth:`differences`. Programs are named by the parts of their
+    key (:func:`program_parts`), whose :func:`digest` names the files.
 
     For single-process runs only (the caller checks :func:`usable`): a multi-process program is
     compiled by every process for its own devices.
@@ -188,40 +192,39 @@ class ExecutableCache:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
 
-    def path(self, key: str) -> Path:
-        return self.directory / f"{key}.executable"
+    def path(self, parts: dict) -> Path:
+        return self.directory / f"{digest(parts)}.executable"
 
-    def has(self, key: str) -> bool:
-        return self.path(key).is_file()
+    def has(self, parts: dict) -> bool:
+        return self.path(parts).is_file()
 
-    def load(self, key: str) -> list[jax.stages.Compiled]:
-        """The programs stored under ``key`` (raises if there are none or they do not load)."""
-        path = self.path(key)
+    def load(self, parts: dict) -> list[jax.stages.Compiled]:
+        """The programs stored under ``parts`` (raises if there are none or they do not load)."""
+        path = self.path(parts)
         entry = pickle.loads(path.read_bytes())
         os.utime(path)  # most recently used: kept longest
         register_handlers(entry["targets"])
         return [serialize_executable.deserialize_and_load(*p) for p in entry["programs"]]
 
-    def store(self, key: str, programs: Sequence[jax.stages.Compiled],
-              parts: dict | None = None) -> Path:
-        """``programs`` written under ``key`` atomically (a crash leaves no partial file), with the
-        key's ``parts`` (:func:`program_parts`) beside them when given; the oldest files beyond
-        :data:`KEEP` are removed."""
+    def store(self, parts: dict, programs: Sequence[jax.stages.Compiled]) -> Path:
+        """``programs`` written under ``parts`` atomically (a crash leaves no partial file), the
+        parts beside them (``KEY.json``); the oldest programs beyond :data:`KEEP` are removed with
+        their parts."""
         targets = sorted({t for p in programs for t in custom_call_targets(p.as_text())})
         blob = pickle.dumps({"targets": targets,
                              "programs": [serialize_executable.serialize(p) for p in programs]})
+        path = self.path(parts)
         self.directory.mkdir(parents=True, exist_ok=True)
-        if parts is not None:
-            write_atomically(self.path(key).with_suffix(".json"), _json(parts))
-        path = write_atomically(self.path(key), blob)
+        write_atomically(path.with_suffix(".json"), _json(parts))
+        write_atomically(path, blob)
         for old in _keep_newest(self.directory, "*.executable", KEEP):
             old.with_suffix(".json").unlink(missing_ok=True)
         return path
 
     def differences(self, parts: dict) -> list[str]:
         """The names of the parts (``env.XLA_FLAGS``, ``options.jax_enable_x64``, ``program``,
-        ...) in which the most recently used program's key differs from ``parts``: why a key
-        missed. Empty when no stored program has its parts."""
+        ...) in which the most recently used program's differ from ``parts``: why they missed.
+        Empty when nothing stored has its parts."""
         newest = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
         try:
             stored = json.loads(newest[-1].with_suffix(".json").read_text())

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config.base import ConfigError
 from k3jax.parallel.distributed import local_batch_rows, make_global_batch
-from k3jax.parallel.executable_cache import ExecutableCache, digest, program_parts
+from k3jax.parallel.executable_cache import ExecutableCache, program_parts
 from k3jax.parallel.kernel_precompile import compile_kernels_async
 from k3jax.parallel.mesh import use_mesh
 from k3jax.parallel.sharding import (
@@ -132,7 +132,7 @@ class MeshStep:
         With a ``cache``, the programs are stored there once compiled, under a key made of
         ``description`` (everything the step is built from besides the source: its configs), the
         arguments, the mesh and the process's environment
-        (:func:`~k3jax.parallel.executable_cache.program_key`); when the key is there already,
+        (:func:`~k3jax.parallel.executable_cache.program_parts`); when the key is there already,
         they are loaded on a worker thread instead, with nothing traced. A stored file that does
         not load is traced, lowered and compiled again on that worker, so with jax's options as
         they are then (the sharded initialisation may have switched the GPU's threefry lowering
@@ -144,14 +144,13 @@ class MeshStep:
         """
         done: Future = Future()
         args = (state, batch, data)
-        parts = program_parts((description, self.donate), args, self.mesh) if cache else None
-        key = digest(parts) if cache else None
+        key = program_parts((description, self.donate), args, self.mesh) if cache else None
         if cache is not None and cache.has(key):
-            work, work_args = self._load, (cache, key, parts, args, done)
+            work, work_args = self._load, (cache, key, args, done)
         else:
-            differs = tuple(cache.differences(parts)) if cache is not None else ()
-            work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, parts,
-                                             done, store_after, differs)
+            differs = tuple(cache.differences(key)) if cache is not None else ()
+            work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, done,
+                                             store_after, differs)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
@@ -175,8 +174,8 @@ class MeshStep:
             pool.shutdown(wait=False)  # the workers finish what they were given
         return futures, seconds, started[0]
 
-    def _finish(self, compiles, cache, key, key_parts, done: Future, store_after: Future | None,
-                differs: tuple[str, ...] = ()) -> None:
+    def _finish(self, compiles, cache, key, done: Future, store_after: Future | None,
+                differs: tuple[str, ...]) -> None:
         futures, seconds, t0 = compiles
         parts = tuple(f.result() for f in futures)
         stored: Future = Future()
@@ -188,19 +187,18 @@ class MeshStep:
             if store_after is not None:
                 wait([store_after])
             try:
-                path = cache.store(key, parts, key_parts)
+                path = cache.store(key, parts)
             except Exception as e:  # noqa: BLE001 - a step not stored is only compiled again
                 warnings.warn(f"the compiled step was not stored in {cache.directory}: {e!r}")
         stored.set_result(path)
 
-    def _load(self, cache, key, key_parts, args, done: Future) -> None:
+    def _load(self, cache, key, args, done: Future) -> None:
         t0 = time.perf_counter()
         try:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args, cache), cache, key, key_parts, done,
-                                None)
+            return self._finish(self._start_compiles(args, cache), cache, key, done, None, ())
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
