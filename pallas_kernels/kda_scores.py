@@ -54,12 +54,13 @@ unrolled: several times the kernel size, and slower.)
 Exponentials use Mosaic's approximate math (``ex2.approx``, ~2 ulp in fp32, far inside the bf16
 operands' rounding), which is faster than the exact ``exp``.
 
-Layout: one CTA per ``(chunk, head, batch)``; the key channels are handled in tiles of 64 (``K`` in
-{64, 128}). ``q`` and ``k`` arrive by TMA from the caller's ``[B, T, H, K]`` layout into swizzled
-SMEM tiles (a plain row-major tile puts the rows one load touches on the same banks), ``G``
-head-major into plain SMEM (its anchor rows are read one row at a time, which Mosaic lowers only
-from untiled SMEM); the scaled operands of each level are written to swizzled bf16 SMEM tiles for
-WGMMA.
+Layout: the backward runs one CTA per ``(chunk, head, batch)``, the forward one per up to four
+consecutive chunks of a head (the next chunk's inputs load while one is computed); the key
+channels are handled in tiles of 64 (``K`` in {64, 128}). ``q`` and ``k`` arrive by TMA from the
+caller's ``[B, T, H, K]`` layout into swizzled SMEM tiles (a plain row-major tile puts the rows
+one load touches on the same banks), ``G`` head-major into plain SMEM (its anchor rows are read one
+row at a time, which Mosaic lowers only from untiled SMEM); the scaled operands of each level are
+written to swizzled bf16 SMEM tiles for WGMMA.
 """
 
 from __future__ import annotations
@@ -195,12 +196,12 @@ def _exact_levels_below_top(level, carry):
     return lax.fori_loop(1, len(LOG_LEVELS), lambda i, c: level(top - i, c, EXACT), carry)
 
 
-def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
+def _by_chunk_kind(flags_ref, ni, level, carry, finish, split_g):
     """The top level (32-row blocks, exact either way), then ``finish`` on the result of the bounded
-    level where this chunk's flag is set, else of the exact levels below the top, after ``split_g``
-    has written ``G``'s bf16 parts for their anchors (``level(lg, carry, kind)``)."""
+    level where chunk ``ni``'s flag is set, else of the exact levels below the top, after
+    ``split_g`` has written ``G``'s bf16 parts for their anchors (``level(lg, carry, kind)``)."""
     carry = level(LOG_LEVELS[0], carry, TOP)
-    bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")] != 0
+    bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), ni] != 0
 
     def exact(carry):
         split_g()
@@ -211,6 +212,12 @@ def _by_chunk_kind(flags_ref, level, carry, finish, split_g):
 
 # --------------------------------------------------------------------------- forward kernel
 
+def chunks_per_cta(num_chunks: int) -> int:
+    """Chunks one CTA of the forward kernel takes in turn: the largest of 4, 2, 1 dividing
+    ``num_chunks`` (a CTA's chunks are consecutive in one sequence and head)."""
+    return next(n for n in (4, 2, 1) if num_chunks % n == 0)
+
+
 def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     """Raw forward kernel: ``(Aqk bf16, Akk fp32)`` ``[B, H, Tp, C]`` (see :func:`gated_scores`).
 
@@ -220,73 +227,94 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     Levels are the outer loop, channel tiles the inner one, one warpgroup: tiles outermost would
     halve the scaled operands' SMEM but run slower, and one warpgroup per output (``Aqk``, ``Akk``)
     would form the decays twice, which costs more than the second warpgroup hides
-    (docs/benchmarks.md has the current times)."""
+    (docs/benchmarks.md has the current times). The kernel's SMEM leaves room for one CTA per SM,
+    so a CTA takes :func:`chunks_per_cta` chunks in turn, each chunk's ``q``, ``k`` and ``G``
+    arriving by TMA in one of two slots while the chunk before it is computed: one CTA per chunk
+    waited for each chunk's loads with nothing else to run on the SM."""
     nb, tp, h, dk = q.shape
     nh, chs = dk // KT, column_tiles(dk)
+    per_cta = chunks_per_cta(tp // CHUNK)
     heads_major = lambda d, dt: jax.ShapeDtypeStruct((nb, h, tp, d), dt)  # noqa: E731
     out_type = (heads_major(CHUNK, BF16), heads_major(CHUNK, F32))
 
     def body(q_ref, k_ref, g_ref, flags_ref, *refs):
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
         (aqk_ref, akk_ref), refs = refs[:2], refs[2:]
-        q_s, k_s, g_s, bp_s, ap_s, bar, p_s, *g_parts = refs
-        bi, hi, ni = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("n")
-        tok = pl.ds(ni * CHUNK, CHUNK)
-        for t, ch in enumerate(chs):  # each channel tile to its own buffer
-            for src, dst in ((q_ref.at[bi, tok, hi, ch], q_s), (k_ref.at[bi, tok, hi, ch], k_s),
-                             (g_ref.at[bi, hi, tok, ch], g_s)):
-                plgpu.copy_gmem_to_smem(src, dst.at[t], bar)
-        plgpu.barrier_wait(bar)
+        q_in, k_in, g_in, bp_s, ap_s, arrived, p_s, *g_parts = refs
+        bi, hi = lax.axis_index("b"), lax.axis_index("h")
+        first = lax.axis_index("n") * per_cta
         rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
-
-        # Diagonal, exact in fp32.
-        scores = []
-        for x_s in (q_s, k_s):
-            dot = sum(jnp.sum(load(x_s.at[t]).astype(F32) * load(k_s.at[t]).astype(F32), axis=1)
-                      for t in range(nh))
-            scores.append(jnp.where(rows == cols, per_row(dot, (CHUNK, CHUNK)), 0.0))
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
 
-        def split_g():
-            for t in range(nh):
-                store_split(load(g_s.at[t]), [part.at[t] for part in g_parts])
+        def fetch(i, slot):  # chunk first + i into slot, each channel tile to its own buffer
+            tok = pl.ds((first + i) * CHUNK, CHUNK)
+            for t, ch in enumerate(chs):
+                for src, dst in ((q_ref.at[bi, tok, hi, ch], q_in),
+                                 (k_ref.at[bi, tok, hi, ch], k_in),
+                                 (g_ref.at[bi, hi, tok, ch], g_in)):
+                    plgpu.copy_gmem_to_smem(src, dst.at[slot, t], arrived.at[slot])
 
-        def level(lg, scores, kind):  # the pairs of one anchored level
-            # Channel tiles as a loop in the kernel: unrolled, they made the module 1.5x larger
-            # (and slower to compile) for no speed.
-            def operands(t, _):
-                er, ec = _level_decays(kind, lg, g_s.at[t], p_s, [part.at[t] for part in g_parts])
-                _scaled_operands(kind, er, ec, q_s.at[t], k_s.at[t], bp_s.at[t], br_s.at[t],
-                                 ap_s.at[t])
+        def chunk(i, _):
+            slot = lax.rem(i, 2)
+            plgpu.commit_smem()  # every thread is done with the other slot's chunk
+            pl.when(i + 1 < per_cta)(lambda: fetch(i + 1, 1 - slot))
+            plgpu.barrier_wait(arrived.at[slot])
+            q_s, k_s, g_s = q_in.at[slot], k_in.at[slot], g_in.at[slot]
+            ni = first + i
+            tok = pl.ds(ni * CHUNK, CHUNK)
 
-            lax.fori_loop(0, nh, operands, None)
-            plgpu.commit_smem()
-            row_refs = _row_operands(kind, bp_s, br_s, ap_s)
-            keep = _pairs(lg, kind == BOUNDED)
-            return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK),
-                                                     *[(row_refs[o].at[t], bp_s.at[t].T)
-                                                       for t in range(nh)]), 0.0)
-                         for o, sc in enumerate(scores))
+            # Diagonal, exact in fp32.
+            scores = []
+            for x_s in (q_s, k_s):
+                dot = sum(jnp.sum(load(x_s.at[t]).astype(F32) * load(k_s.at[t]).astype(F32),
+                                  axis=1) for t in range(nh))
+                scores.append(jnp.where(rows == cols, per_row(dot, (CHUNK, CHUNK)), 0.0))
 
-        def store(scores):
-            same = gates.same_segment(mask_refs, bi, tok)
-            for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
-                sc = sc * factor if factor != 1.0 else sc
-                out.at[bi, hi, tok][...] = (sc if same is None
-                                            else jnp.where(same, sc, 0.0)).astype(out.dtype)
+            def split_g():
+                for t in range(nh):
+                    store_split(load(g_s.at[t]), [part.at[t] for part in g_parts])
 
-        _by_chunk_kind(flags_ref, level, tuple(scores), store, split_g)
+            def level(lg, scores, kind):  # the pairs of one anchored level
+                # Channel tiles as a loop in the kernel: unrolled, they made the module 1.5x
+                # larger (and slower to compile) for no speed.
+                def operands(t, _):
+                    er, ec = _level_decays(kind, lg, g_s.at[t], p_s,
+                                           [part.at[t] for part in g_parts])
+                    _scaled_operands(kind, er, ec, q_s.at[t], k_s.at[t], bp_s.at[t],
+                                     br_s.at[t], ap_s.at[t])
+
+                lax.fori_loop(0, nh, operands, None)
+                plgpu.commit_smem()
+                row_refs = _row_operands(kind, bp_s, br_s, ap_s)
+                keep = _pairs(lg, kind == BOUNDED)
+                return tuple(sc + jnp.where(keep, matmul((CHUNK, CHUNK),
+                                                         *[(row_refs[o].at[t], bp_s.at[t].T)
+                                                           for t in range(nh)]), 0.0)
+                             for o, sc in enumerate(scores))
+
+            def store(scores):
+                same = gates.same_segment(mask_refs, bi, tok)
+                for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
+                    sc = sc * factor if factor != 1.0 else sc
+                    out.at[bi, hi, tok][...] = (sc if same is None
+                                                else jnp.where(same, sc, 0.0)).astype(out.dtype)
+
+            _by_chunk_kind(flags_ref, ni, level, tuple(scores), store, split_g)
+
+        fetch(0, 0)
+        lax.fori_loop(0, per_cta, chunk, None)
 
     scratch = (
-        # q, k (swizzled), G (plain), per channel tile
-        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), plgpu.SMEM((nh, CHUNK, KT), F32),
+        # q, k (swizzled), G (plain), per slot and channel tile
+        tiles((2, nh, CHUNK, KT)), tiles((2, nh, CHUNK, KT)), plgpu.SMEM((2, nh, CHUNK, KT), F32),
         tiles((nh, CHUNK, KT)),  # k times the column factor, per channel tile
         tiles((nh, CHUNK, KT)),  # q times the row factor
-        plgpu.Barrier(num_arrivals=3 * nh),
+        plgpu.Barrier(num_arrivals=3 * nh, num_barriers=2),
         tiles((CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),  # P_s, G's parts
     )
     run = kernel(body, "kda_scores_fwd", interpret, approx_math=True, out_type=out_type,
-                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
+                 grid=(tp // CHUNK // per_cta, h, nb), grid_names=("n", "h", "b"),
+                 scratch_types=scratch)
     return run(q, k, g, flags, *masks)
 
 
@@ -378,7 +406,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dg_ref.at[bi, hi, tok, ch][...] = dg
             finish_together(done)
 
-        _by_chunk_kind(flags_ref, level, ((zero,) * no, zero), finish,
+        _by_chunk_kind(flags_ref, ni, level, ((zero,) * no, zero), finish,
                        lambda: store_split(load(g_s), g_parts))
 
     scratch = (

@@ -101,11 +101,15 @@ def _check_grads(ref_grads, ker_grads, names):
 
 
 def test_gated_scores_mixed_chunks_with_segments():
-    """K = 64, two heads, two chunks: K3's lower-bound gate (the bounded path) in three chunks, a
-    softplus gate past exp's fp32 range (the exact levels) in the fourth; packed documents."""
-    q, k, g, g_cum = _inputs(0, 1, 2, 2 * C, 64, "mixed")
-    np.testing.assert_array_equal(jax.jit(kda_scores.bounded_chunks)(g_cum), [[[1, 0], [1, 1]]])
-    masks = _masks(5, 1, 2 * C)
+    """K = 64, two heads, four chunks: K3's lower-bound gate (the bounded path) in seven chunks, a
+    softplus gate past exp's fp32 range (the exact levels) in the eighth; packed documents. One
+    CTA of the forward takes a head's four chunks in turn, so each of its two input slots serves
+    twice."""
+    q, k, g, g_cum = _inputs(0, 1, 2, 4 * C, 64, "mixed")
+    assert kda_scores.chunks_per_cta(4) == 4
+    np.testing.assert_array_equal(jax.jit(kda_scores.bounded_chunks)(g_cum),
+                                  [[[1, 0, 1, 1], [1, 1, 1, 1]]])
+    masks = _masks(5, 1, 4 * C)
     assert 0 < np.mean(masks.enter) < 1 and 0 < np.mean(masks.leave) < 1
     _check_gated(q, k, g, masks, seed=1)
 
