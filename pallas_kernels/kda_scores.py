@@ -105,6 +105,7 @@ from pallas_kernels.kda_gates import (
 )
 
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
+SMS = 132  # streaming multiprocessors of an H100 SXM or H200: the forward's CTAs to fill them
 
 
 # --------------------------------------------------------------------------- in-kernel helpers
@@ -212,10 +213,12 @@ def _by_chunk_kind(flags_ref, ni, level, carry, finish, split_g):
 
 # --------------------------------------------------------------------------- forward kernel
 
-def chunks_per_cta(num_chunks: int) -> int:
-    """Chunks one CTA of the forward kernel takes in turn: the largest of 4, 2, 1 dividing
-    ``num_chunks`` (a CTA's chunks are consecutive in one sequence and head)."""
-    return next(n for n in (4, 2, 1) if num_chunks % n == 0)
+def chunks_per_cta(num_chunks: int, chains: int) -> int:
+    """Chunks one CTA of the forward kernel takes in turn (consecutive ones of one sequence and
+    head): the largest of 4, 2, 1 that divides ``num_chunks`` and still leaves a CTA for every SM
+    with ``chains`` (batch, head) chains; below that, idle SMs would cost more than the hidden
+    loads save (a short prefill: one chunk a CTA, as before)."""
+    return next((n for n in (4, 2) if num_chunks % n == 0 and chains * num_chunks // n >= SMS), 1)
 
 
 def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
@@ -233,7 +236,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
     waited for each chunk's loads with nothing else to run on the SM."""
     nb, tp, h, dk = q.shape
     nh, chs = dk // KT, column_tiles(dk)
-    per_cta = chunks_per_cta(tp // CHUNK)
+    per_cta = chunks_per_cta(tp // CHUNK, nb * h)
     heads_major = lambda d, dt: jax.ShapeDtypeStruct((nb, h, tp, d), dt)  # noqa: E731
     out_type = (heads_major(CHUNK, BF16), heads_major(CHUNK, F32))
 

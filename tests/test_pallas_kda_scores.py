@@ -100,13 +100,23 @@ def _check_grads(ref_grads, ker_grads, names):
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
-def test_gated_scores_mixed_chunks_with_segments():
+def test_chunks_per_cta_fills_the_gpu_first():
+    sms = kda_scores.SMS
+    assert kda_scores.chunks_per_cta(64, 128) == 4  # (8, 4096, 16): 2048 CTAs of four chunks
+    assert kda_scores.chunks_per_cta(6, 2 * sms) == 2
+    assert kda_scores.chunks_per_cta(32, 6) == 1  # one 2048-token prompt of k3_small's 6 heads
+    assert kda_scores.chunks_per_cta(8, sms // 4) == 2  # four chunks a CTA would idle half the SMs
+    assert kda_scores.chunks_per_cta(1, 4 * sms) == 1
+
+
+def test_gated_scores_mixed_chunks_with_segments(monkeypatch):
     """K = 64, two heads, four chunks: K3's lower-bound gate (the bounded path) in seven chunks, a
-    softplus gate past exp's fp32 range (the exact levels) in the eighth; packed documents. One
-    CTA of the forward takes a head's four chunks in turn, so each of its two input slots serves
-    twice."""
+    softplus gate past exp's fp32 range (the exact levels) in the eighth; packed documents. With
+    a one-SM GPU assumed, one CTA of the forward takes a head's four chunks in turn, so each of
+    its two input slots serves twice."""
+    monkeypatch.setattr(kda_scores, "SMS", 1)
     q, k, g, g_cum = _inputs(0, 1, 2, 4 * C, 64, "mixed")
-    assert kda_scores.chunks_per_cta(4) == 4
+    assert kda_scores.chunks_per_cta(4, 2) == 4
     np.testing.assert_array_equal(jax.jit(kda_scores.bounded_chunks)(g_cum),
                                   [[[1, 0, 1, 1], [1, 1, 1, 1]]])
     masks = _masks(5, 1, 4 * C)
