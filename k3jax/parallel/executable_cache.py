@@ -131,11 +131,6 @@ def program_parts(description: object, args: tuple, mesh: jax.sharding.Mesh) -> 
             **environment()}
 
 
-def program_key(description: object, args: tuple, mesh: jax.sharding.Mesh) -> str:
-    """The cache key of a program: the :func:`digest` of its :func:`program_parts`."""
-    return digest(program_parts(description, args, mesh))
-
-
 def digest(parts: dict) -> str:
     """A key from named parts (JSON values): 32 hex digits of their sha256."""
     return hashlib.sha256(_json(parts).encode()).hexdigest()[:32]
@@ -171,10 +166,15 @@ def load_or_make(directory: str | Path, key: str, make: Callable[[], T]) -> T:
     return value
 
 
+def _by_last_use(directory: Path, pattern: str) -> list[Path]:
+    """The files matching ``pattern``, the least recently used first (loads touch theirs)."""
+    return sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+
+
 def _keep_newest(directory: Path, pattern: str, keep: int) -> list[Path]:
     """Remove all but the ``keep`` most recently used files matching ``pattern``; returns the
     removed paths."""
-    files = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+    files = _by_last_use(directory, pattern)
     for old in files[:-keep]:
         old.unlink(missing_ok=True)
     return files[:-keep]
@@ -225,9 +225,9 @@ class ExecutableCache:
         """The names of the parts (``env.XLA_FLAGS``, ``options.jax_enable_x64``, ``program``,
         ...) in which the most recently used program's differ from ``parts``: why they missed.
         Empty when nothing stored has its parts."""
-        newest = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
         try:
-            stored = json.loads(newest[-1].with_suffix(".json").read_text())
+            newest = _by_last_use(self.directory, "*.executable")[-1]
+            stored = json.loads(newest.with_suffix(".json").read_text())
         except (IndexError, OSError, ValueError):
             return []
         return _differing(stored, json.loads(_json(parts)))
@@ -261,5 +261,4 @@ def usable() -> bool:
 
 
 __all__ = ["ExecutableCache", "custom_call_targets", "digest", "environment", "load_or_make",
-           "program_key", "program_parts", "register_handlers", "source_digest", "usable",
-           "value_key"]
+           "program_parts", "register_handlers", "source_digest", "usable", "value_key"]

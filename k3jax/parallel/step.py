@@ -148,9 +148,8 @@ class MeshStep:
         if cache is not None and cache.has(key):
             work, work_args = self._load, (cache, key, args, done)
         else:
-            differs = tuple(cache.differences(key)) if cache is not None else ()
             work, work_args = self._finish, (self._start_compiles(args, cache), cache, key, done,
-                                             store_after, differs)
+                                             store_after)
         threading.Thread(target=_settle, args=(done, work, work_args),
                          name="compile-step").start()
         return done
@@ -174,9 +173,11 @@ class MeshStep:
             pool.shutdown(wait=False)  # the workers finish what they were given
         return futures, seconds, started[0]
 
-    def _finish(self, compiles, cache, key, done: Future, store_after: Future | None,
-                differs: tuple[str, ...]) -> None:
+    def _finish(self, compiles, cache, key, done: Future, store_after: Future | None) -> None:
         futures, seconds, t0 = compiles
+        # Why nothing stored matched (read on this worker, off the trace's path); a stored step
+        # under this key that did not load has nothing to explain.
+        differs = tuple(cache.differences(key)) if cache and not cache.has(key) else ()
         parts = tuple(f.result() for f in futures)
         stored: Future = Future()
         done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
@@ -198,7 +199,7 @@ class MeshStep:
             parts = tuple(cache.load(key))
         except Exception as e:  # noqa: BLE001 - any unreadable file: compile as without it
             warnings.warn(f"the cached step {cache.path(key)} did not load ({e!r}); compiling it")
-            return self._finish(self._start_compiles(args, cache), cache, key, done, None, ())
+            return self._finish(self._start_compiles(args, cache), cache, key, done, None)
         stored: Future = Future()
         stored.set_result(cache.path(key))
         done.set_result(CompiledStep(parts, {"load_s": time.perf_counter() - t0}, stored))
