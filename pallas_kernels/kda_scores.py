@@ -257,10 +257,13 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
                                  (g_ref.at[bi, hi, tok, ch], g_in)):
                     plgpu.copy_gmem_to_smem(src, dst.at[slot, t], arrived.at[slot])
 
+        def prefetch(i, slot):  # into the slot the chunk before this one used
+            plgpu.commit_smem()  # every thread is done reading that chunk
+            fetch(i, slot)
+
         def chunk(i, _):
             slot = lax.rem(i, 2)
-            plgpu.commit_smem()  # every thread is done with the other slot's chunk
-            pl.when(i + 1 < per_cta)(lambda: fetch(i + 1, 1 - slot))
+            pl.when(i + 1 < per_cta)(lambda: prefetch(i + 1, 1 - slot))
             plgpu.barrier_wait(arrived.at[slot])
             q_s, k_s, g_s = q_in.at[slot], k_in.at[slot], g_in.at[slot]
             ni = first + i
