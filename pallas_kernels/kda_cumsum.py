@@ -1,14 +1,15 @@
 """Mosaic GPU kernels: KDA's chunk-local cumulative log-decay ``G_r = sum_{i <= r} g_i`` (§3.3),
 with the gated operands, and its reverse.
 
-Per chunk of 64 tokens (one batch, head, chunk; one CTA) the cumsum is a product with the
-lower-triangular ones matrix on the tensor cores, ``g`` split into three bf16 parts whose sum is
-``g`` exactly: every product is one part times one or zero, accumulated in fp32, so the result is
-a sum of the same fp32 terms as a sequential cumsum, in another order. The forward kernel reads the
-gates in the caller's ``[B, T, H, K]`` layout and writes ``G`` head-major, ``[B, H, T, K]``, the
-layout of the other KDA kernels, and, while it holds ``G``, the gated operands ``Qg``, ``Kg``,
-``Xk``, ``gamma`` (:mod:`pallas_kernels.kda_gates`). The reverse cumsum (the upper-triangular
-product: the cumsum's VJP) goes from head-major back to the caller's layout. Both are raw kernels:
+Per chunk of 64 tokens (one batch, head, chunk; one CTA) the cumsum runs in SMEM, one thread a
+column, token after token in fp32: bit for bit a sequential cumsum. (The tensor-core form, a
+product with the triangular ones matrix of ``g`` split into three exact bf16 parts, took two
+rounds of splits, stores, fences and WGMMAs a chunk for what is 64 dependent adds a thread.)
+The forward kernel reads the gates in the caller's ``[B, T, H, K]`` layout and writes ``G``
+head-major, ``[B, H, T, K]``, the layout of the other KDA kernels, and, while it holds ``G``, the
+gated operands ``Qg``, ``Kg``, ``Xk``, ``gamma`` (:mod:`pallas_kernels.kda_gates`). The reverse
+cumsum (the sums up each chunk: the cumsum's VJP) goes from head-major back to the caller's
+layout. Both are raw kernels:
 :func:`pallas_kernels.kda_scores.gated_scores` joins them under its VJP. (XLA's cumsum is an
 associative scan on the GPU, and a triangular fp32 einsum needs transposes around an FFMA GEMM.)
 
@@ -28,52 +29,49 @@ from pallas_kernels._mgpu import (
     CHUNK,
     F32,
     KT,
-    SPLITS,
+    WARPGROUP,
     column_tiles,
-    iota,
     kernel,
     load,
-    matmul,
-    over_tiles,
-    part_views,
     shared_lowering,
-    store_split,
     tiles,
 )
 from pallas_kernels.kda_gates import bounded_channels, gate_factors, gated_operands
 
 
-def _chunk_sums(x_s, tri_s, parts, dk, emit):
-    """``emit(channel slice, Tri @ x on that tile)`` per channel tile, a loop in the kernel:
-    ``x_s`` plain SMEM ``[C, dk]`` fp32, ``Tri`` in ``tri_s``, ``x`` split into the bf16 ``parts``
-    (one ``[C, KT]`` tile each, reused by every channel tile)."""
-    def tile(ch, _):
-        store_split(load(x_s.at[:, ch]), parts)
-        plgpu.commit_smem()
-        emit(ch, matmul((CHUNK, KT), *[(tri_s, part) for part in parts]))
-
-    over_tiles(dk, tile)
+def _lanes(dk: int) -> int:
+    """Rows of the chunk a running-sum step loads: one a thread of the warpgroup (1 or 2)."""
+    return WARPGROUP // dk
 
 
-def _triangle(tri_s, upper: bool) -> None:
-    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
-    tri_s[...] = jnp.where(rows <= cols if upper else rows >= cols, 1.0, 0.0).astype(BF16)
+def _chunk_rows(dk: int, reverse: bool):
+    """The rows of :func:`_scratch`'s chunk buffer that hold the chunk (the padding row, at
+    ``K = 64``, sits before them, or after them for the reverse sums)."""
+    return pl.ds(0 if reverse else _lanes(dk) - 1, CHUNK)
 
 
-def _start_load(x_view, scratch) -> None:
-    """Start the TMA copy of this CTA's chunk of ``x`` (the GMEM view ``x_view``, ``[C, dk]``
-    fp32) into SMEM; ``scratch``: :func:`_scratch`'s refs (then any the kernel adds)."""
-    x_s, _, _, bar = scratch[:4]
-    plgpu.copy_gmem_to_smem(x_view, x_s, bar)
+def _running_sums(x_s, reverse: bool) -> None:
+    """In place, each column of the chunk in ``x_s`` (:func:`_scratch`'s buffer, fp32) summed down
+    its rows (up them with ``reverse``), in fp32, token after token.
 
-
-def _triangular_sums(upper: bool, dk, scratch, emit) -> None:
-    """Once :func:`_start_load`'s chunk has arrived, ``emit(channel slice, Tri @ x)`` per channel
-    tile (:func:`_chunk_sums`)."""
-    x_s, tri_s, parts_s, bar = scratch[:4]
-    _triangle(tri_s, upper)
-    plgpu.barrier_wait(bar)
-    _chunk_sums(x_s, tri_s, part_views(parts_s), dk, emit)
+    One thread a column: a step loads ``128 // K`` consecutive rows at once, one value a thread.
+    At ``K = 64`` the second row's threads run the same sums one row ahead, so each value is
+    written twice, bit for bit the same (``0 + x = x``), and the first step reads the padding
+    row, taken as zero. Every row is read before any is written (the lagging threads read rows the
+    leading ones write), so the loads run back to back, then the chain of adds."""
+    lanes = _lanes(x_s.shape[-1])
+    steps = range(CHUNK)
+    views = [x_s.at[pl.ds(i, lanes)] for i in (reversed(steps) if reverse else steps)]
+    values = [view[...] for view in views]
+    if lanes > 1:
+        lane = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, values[0].shape, 0),
+                                 plgpu.Layout.WG_STRIDED(values[0].shape, 1))
+        values[0] = jnp.where(lane == (lanes - 1 if reverse else 0), 0.0, values[0])
+    plgpu.commit_smem()
+    acc = None
+    for view, value in zip(views, values):
+        acc = value if acc is None else acc + value
+        view[...] = acc
 
 
 def _this_chunk():
@@ -83,24 +81,23 @@ def _this_chunk():
 
 
 def _scratch(dk):
-    """The chunk (plain fp32), the triangle, ``x``'s bf16 parts and the chunk's barrier."""
-    return (plgpu.SMEM((CHUNK, dk), F32), tiles((CHUNK, CHUNK)), tiles((SPLITS, CHUNK, KT)),
-            plgpu.Barrier(num_arrivals=1))
+    """The chunk (plain fp32, :func:`_running_sums`' padding row included) and its barrier."""
+    return plgpu.SMEM((CHUNK + _lanes(dk) - 1, dk), F32), plgpu.Barrier(num_arrivals=1)
 
 
 def _reverse_call(dg_cum, *, interpret: bool):
-    """``Tri^T @ dG`` per chunk (``Tri^T`` the upper ones matrix): ``[B, H, Tp, K]`` ->
-    ``[B, Tp, H, K]``, fp32."""
+    """The sums of ``dG`` up each chunk: ``[B, H, Tp, K]`` -> ``[B, Tp, H, K]``, fp32."""
     nb, h, tp, dk = dg_cum.shape
 
-    def body(x_ref, o_ref, *scratch):
+    def body(x_ref, o_ref, x_s, bar):
         bi, hi, _, tok = _this_chunk()
-
-        def emit(ch, out):
-            o_ref.at[bi, tok, hi, ch][...] = out
-
-        _start_load(x_ref.at[bi, hi, tok], scratch)
-        _triangular_sums(True, dk, scratch, emit)
+        chunk = x_s.at[_chunk_rows(dk, reverse=True)]
+        plgpu.copy_gmem_to_smem(x_ref.at[bi, hi, tok], chunk, bar)
+        plgpu.barrier_wait(bar)
+        _running_sums(x_s, reverse=True)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(chunk, o_ref.at[bi, tok, hi])
+        plgpu.wait_smem_to_gmem(0)
 
     run = kernel(body, "kda_cumsum_bwd", interpret,
                  out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
@@ -116,8 +113,8 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     or ``(seg, enter, leave)``.
 
     Every operand comes in and every product goes out by TMA: ``q`` and ``k`` arrive while the
-    cumsum runs, and each product is written over the tile it was made from (``Xk`` over ``G``'s
-    spent bf16 parts), so the kernel holds no staging buffers and two CTAs still share an SM.
+    cumsum runs, and ``Qg``, ``Kg`` are written over the tiles they were made from (80 KB of SMEM
+    at ``K = 128``: two CTAs share an SM).
     (With register loads and stores straight from and to GMEM, where a warpgroup waits out every
     load, this kernel moved under half of HBM's bandwidth.)"""
     nb, tp, h, dk = g.shape
@@ -129,28 +126,26 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     def body(g_ref, q_ref, k_ref, *refs):
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
         (gc_ref, qg_ref, kg_ref, xk_ref, gam_ref, ok_ref), refs = refs[:6], refs[6:]
-        x_s, _, parts_s, _, qk_s, qk_bar = refs
+        x_s, bar, qkx_s, qk_bar = refs
         bi, hi, ni, tok = _this_chunk()
-        _start_load(g_ref.at[bi, tok, hi], refs)
+        chunk = x_s.at[_chunk_rows(dk, reverse=False)]
+        plgpu.copy_gmem_to_smem(g_ref.at[bi, tok, hi], chunk, bar)
         for t, ch in enumerate(column_tiles(dk)):  # behind g: they are needed after the cumsum
             for i, src in enumerate((q_ref, k_ref)):
-                plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qk_s.at[i, t], qk_bar)
-
-        def emit(ch, g_cum):
-            x_s.at[:, ch][...] = g_cum  # g is spent: G takes its place
-
-        _triangular_sums(False, dk, refs, emit)
+                plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qkx_s.at[i, t], qk_bar)
+        plgpu.barrier_wait(bar)
+        _running_sums(x_s, reverse=False)  # g is spent: G takes its place
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(x_s, gc_ref.at[bi, hi, tok])
+        plgpu.copy_smem_to_gmem(chunk, gc_ref.at[bi, hi, tok])
         plgpu.barrier_wait(qk_bar)
 
         def gate_tile(t, _):
-            ch, q_s, k_s = pl.ds(t * KT, KT), qk_s.at[0, t], qk_s.at[1, t]
-            g_tile = x_s.at[:, ch]
+            ch, q_s, k_s = pl.ds(t * KT, KT), qkx_s.at[0, t], qkx_s.at[1, t]
+            g_tile = chunk.at[:, ch]
             g = load(g_tile)  # both the factors and the flags read it
             factors = gate_factors(g, g_tile, mask_refs, bi, ni)
             products = gated_operands(q_s, k_s, factors, scale)
-            for dst, x in zip((q_s, k_s, parts_s.at[t]), products):
+            for dst, x in zip((q_s, k_s, qkx_s.at[2, t]), products):
                 dst[...] = x.astype(BF16)
             gam_ref.at[bi, hi, ni, ch][...] = factors[2]
             ok_ref.at[bi, hi, ni, ch][...] = bounded_channels(g, g_tile)
@@ -158,13 +153,11 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
         lax.fori_loop(0, nh, gate_tile, None)
         plgpu.commit_smem()
         for t, ch in enumerate(column_tiles(dk)):
-            for src, dst in ((qk_s.at[0, t], qg_ref), (qk_s.at[1, t], kg_ref),
-                             (parts_s.at[t], xk_ref)):
-                plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, tok, ch])
+            for i, dst in enumerate((qg_ref, kg_ref, xk_ref)):
+                plgpu.copy_smem_to_gmem(qkx_s.at[i, t], dst.at[bi, hi, tok, ch])
         plgpu.wait_smem_to_gmem(0)
 
-    assert nh <= SPLITS  # Xk's tiles reuse G's parts
-    scratch = (*_scratch(dk), tiles((2, nh, CHUNK, KT)), plgpu.Barrier(num_arrivals=2 * nh))
+    scratch = (*_scratch(dk), tiles((3, nh, CHUNK, KT)), plgpu.Barrier(num_arrivals=2 * nh))
     run = kernel(body, "kda_cumsum_gates", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
     return run(g, q, k, *masks)

@@ -10,17 +10,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax.devices import hopper_gpus
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from pallas_kernels import kda_cumsum
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
 from pallas_kernels.kda_gates import bounded_chunks
 
+ON_GPU = pytest.param(False, id="gpu", marks=pytest.mark.skipif(
+    not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU"))
 
+
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreter"), ON_GPU])
 @pytest.mark.parametrize("dk", [64, 128])
-def test_cumsum_and_its_reverse_match_sequential_cumsum(dk):
+def test_cumsum_and_its_reverse_match_sequential_cumsum(dk, interpret):
     """``G`` (layout [B, T, H, K] -> [B, H, T, K]) and the reverse cumsum (back) against the fp32
     sequential cumsum and its VJP, softplus-sized gates (tens of nats a chunk), a random cotangent,
-    within FP32_TOL."""
+    within FP32_TOL, and bit for bit against numpy's running fp32 sums down (up) each chunk, the
+    kernels' order of additions; in the interpreter and, where there is one, compiled for the
+    GPU."""
     @jax.jit  # inputs, the reference's value and VJP in one compile
     def reference(key):
         kg, kq, kc = jax.random.split(key, 3)
@@ -32,11 +39,18 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk):
 
     g, qk, ref, ct, ref_back = reference(jax.random.PRNGKey(0))
     # jitted: the interpreter is far slower op by op
-    out = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[0])(g, qk)
+    out = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0,
+                                                 interpret=interpret)[0])(g, qk)
     assert out.shape == (2, 3, 128, dk) and out.dtype == jnp.float32
     assert rel_rms(ref, out) <= FP32_TOL
-    back = jax.jit(lambda ct: reverse_cumsum(ct, interpret=True))(ct)
+    back = jax.jit(lambda ct: reverse_cumsum(ct, interpret=interpret))(ct)
     assert back.shape == g.shape and rel_rms(ref_back, back) <= FP32_TOL
+    chunks = np.asarray(g).reshape(2, 2, 64, 3, dk)  # [B, NC, C, H, K]
+    running = np.cumsum(chunks, axis=2, dtype=np.float32).reshape(g.shape)
+    np.testing.assert_array_equal(out, np.swapaxes(running, 1, 2))
+    ct_chunks = np.swapaxes(np.asarray(ct), 1, 2).reshape(2, 2, 64, 3, dk)
+    upward = np.flip(np.cumsum(np.flip(ct_chunks, 2), axis=2, dtype=np.float32), 2)
+    np.testing.assert_array_equal(back, upward.reshape(g.shape))
 
 
 @pytest.mark.parametrize("dk", [64, 128])
@@ -61,11 +75,13 @@ def test_bounded_flags_match_their_reference_on_both_sides_of_the_bound(dk):
     np.testing.assert_array_equal(flags, expected)
 
 
-def test_kernels_lower_for_cuda():
-    """Both kernels pass Mosaic GPU's lowering for an sm_90 target (K = 128)."""
-    fwd_in = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32)
-    qk = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    bwd_in = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
+@pytest.mark.parametrize("dk", [64, 128])
+def test_kernels_lower_for_cuda(dk):
+    """Both kernels pass Mosaic GPU's lowering for an sm_90 target (at K = 64 the running sums
+    load two rows a step)."""
+    fwd_in = jax.ShapeDtypeStruct((1, 256, 2, dk), jnp.float32)
+    qk = jax.ShapeDtypeStruct((1, 256, 2, dk), jnp.bfloat16)
+    bwd_in = jax.ShapeDtypeStruct((1, 2, 256, dk), jnp.float32)
     fwd = jax.jit(kda_cumsum._cumsum_gates_call, static_argnames=("scale", "interpret"))
     fwd.trace(fwd_in, qk, qk, (), scale=1.0, interpret=False).lower(lowering_platforms=("cuda",))
     bwd = jax.jit(kda_cumsum._reverse_call, static_argnames=("interpret",))
