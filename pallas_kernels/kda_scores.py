@@ -197,12 +197,12 @@ def _exact_levels_below_top(level, carry):
     return lax.fori_loop(1, len(LOG_LEVELS), lambda i, c: level(top - i, c, EXACT), carry)
 
 
-def _by_chunk_kind(flags_ref, ni, level, carry, finish, split_g):
+def _by_chunk_kind(bounded, level, carry, finish, split_g):
     """The top level (32-row blocks, exact either way), then ``finish`` on the result of the bounded
-    level where chunk ``ni``'s flag is set, else of the exact levels below the top, after
-    ``split_g`` has written ``G``'s bf16 parts for their anchors (``level(lg, carry, kind)``)."""
+    level where the chunk is ``bounded`` (its :func:`bounded_chunks` flag, a traced bool), else of
+    the exact levels below the top, after ``split_g`` has written ``G``'s bf16 parts for their
+    anchors (``level(lg, carry, kind)``)."""
     carry = level(LOG_LEVELS[0], carry, TOP)
-    bounded = flags_ref[lax.axis_index("b"), lax.axis_index("h"), ni] != 0
 
     def exact(carry):
         split_g()
@@ -305,7 +305,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
                     out.at[bi, hi, tok][...] = (sc if same is None
                                                 else jnp.where(same, sc, 0.0)).astype(out.dtype)
 
-            _by_chunk_kind(flags_ref, ni, level, tuple(scores), store, split_g)
+            _by_chunk_kind(flags_ref[bi, hi, ni] != 0, level, tuple(scores), store, split_g)
 
         fetch(0, 0)
         lax.fori_loop(0, per_cta, chunk, None)
@@ -412,7 +412,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dg_ref.at[bi, hi, tok, ch][...] = dg
             finish_together(done)
 
-        _by_chunk_kind(flags_ref, ni, level, ((zero,) * no, zero), finish,
+        _by_chunk_kind(flags_ref[bi, hi, ni] != 0, level, ((zero,) * no, zero), finish,
                        lambda: store_split(load(g_s), g_parts))
 
     scratch = (
