@@ -57,8 +57,9 @@ def _running_sums(x_s, reverse: bool) -> None:
     One thread a column: a step loads ``128 // K`` consecutive rows at once, one value a thread.
     At ``K = 64`` the second row's threads run the same sums one row ahead, so each value is
     written twice, bit for bit the same (``0 + x = x``), and the first step reads the padding
-    row, taken as zero. Every row is read before any is written (the lagging threads read rows the
-    leading ones write), so the loads run back to back, then the chain of adds."""
+    row, taken as zero. Every row is read before any is written, so the loads run back to back,
+    then the chain of adds; at ``K = 64`` a barrier between them, as the lagging threads read rows
+    the leading ones write (at ``K = 128`` each thread reads and writes its own column only)."""
     lanes = _lanes(x_s.shape[-1])
     steps = range(CHUNK)
     views = [x_s.at[pl.ds(i, lanes)] for i in (reversed(steps) if reverse else steps)]
@@ -67,7 +68,7 @@ def _running_sums(x_s, reverse: bool) -> None:
         lane = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, values[0].shape, 0),
                                  plgpu.Layout.WG_STRIDED(values[0].shape, 1))
         values[0] = jnp.where(lane == (lanes - 1 if reverse else 0), 0.0, values[0])
-    plgpu.commit_smem()
+        plgpu.commit_smem()
     acc = None
     for view, value in zip(views, values):
         acc = value if acc is None else acc + value
