@@ -8,6 +8,7 @@ only (:func:`~k3jax.parallel.executable_cache.usable`).
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,13 +75,19 @@ def test_stored_step_loads_and_computes_the_same(toy, tmp_path):
 
 
 def test_damaged_file_is_compiled_again_and_replaced(toy, tmp_path):
+    """A stored step that does not load is compiled again and replaced; its compile names no
+    differing parts (nothing missed), although another, newer program is stored beside it."""
     cache = ExecutableCache(tmp_path)
     reference = _outputs(toy["compile"](cache), toy["args"])
     (path,) = tmp_path.glob("*.executable")
-    path.write_bytes(path.read_bytes()[:100])
+    toy["compile"](cache, description="toy, another config")
+    damaged = path.read_bytes()[:100]
+    stat = path.stat()
+    path.write_bytes(damaged)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # still the older of the two
     with pytest.warns(UserWarning, match="did not load"):
         again = toy["compile"](cache)
-    assert "compile_s" in again.seconds
+    assert "compile_s" in again.seconds and again.differs == ()
     for a, b in zip(reference, _outputs(again, toy["args"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with warnings.catch_warnings():

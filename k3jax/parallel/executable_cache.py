@@ -224,7 +224,10 @@ class ExecutableCache:
     def differences(self, parts: dict) -> list[str]:
         """The names of the parts (``env.XLA_FLAGS``, ``options.jax_enable_x64``, ``program``,
         ...) in which the most recently used program's differ from ``parts``: why they missed.
-        Empty when nothing stored has its parts."""
+        Empty when ``parts`` are stored (nothing missed: a stored file that did not load has
+        nothing to explain) or nothing is."""
+        if self.has(parts):
+            return []
         try:
             newest = _by_last_use(self.directory, "*.executable")[-1]
             stored = json.loads(newest.with_suffix(".json").read_text())

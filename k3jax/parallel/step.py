@@ -175,9 +175,8 @@ class MeshStep:
 
     def _finish(self, compiles, cache, key, done: Future, store_after: Future | None) -> None:
         futures, seconds, t0 = compiles
-        # Why nothing stored matched (read on this worker, off the trace's path); a stored step
-        # under this key that did not load has nothing to explain.
-        differs = tuple(cache.differences(key)) if cache is not None and not cache.has(key) else ()
+        # why nothing stored matched, read on this worker, off the trace's path
+        differs = tuple(cache.differences(key)) if cache is not None else ()
         parts = tuple(f.result() for f in futures)
         stored: Future = Future()
         done.set_result(CompiledStep(parts, {**seconds, "compile_s": time.perf_counter() - t0},
