@@ -16,7 +16,7 @@ HEAD_DIMS = (64, 128)  # the key and value head dims K, V the KDA kernels are bu
 WG = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout tile
-WARPGROUP = 128  # threads of the warpgroup that runs each kernel's CTA (Lane semantics)
+WARPGROUP = 128  # threads of one warpgroup (a CTA runs one or, with num_threads, several)
 KT = 64  # columns of one tile: the bf16 width of the 128-byte swizzle (see ``tiles``)
 SPLITS = 3  # bf16 parts that hold an fp32 value exactly (8 + 8 + 8 significant bits; store_split)
 
