@@ -144,7 +144,7 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
             ch, q_s, k_s = pl.ds(t * KT, KT), qkx_s.at[0, t], qkx_s.at[1, t]
             g_tile = chunk.at[:, ch]
             g = load(g_tile)  # both the factors and the flags read it
-            factors = gate_factors(g, g_tile, mask_refs, bi, ni)
+            factors = gate_factors(g, g_tile.at[CHUNK - 1], mask_refs, bi, ni)
             products = gated_operands(q_s, k_s, factors, scale)
             for dst, x in zip((q_s, k_s, qkx_s.at[2, t]), products):
                 dst[...] = x.astype(BF16)

@@ -65,14 +65,20 @@ def same_segment(masks, bi, tok):
             == per_col(load(seg_ref.at[bi, tok], COL), (CHUNK, CHUNK)))
 
 
-def anchor_rows(lg: int, g_ref):
+def plain_rows(g_tile):
+    """``g_row`` of :func:`anchor_rows` for a plain SMEM tile of ``G`` (``[C, KT]``)."""
+    return lambda r: g_tile.at[r]
+
+
+def anchor_rows(lg: int, g_row):
     """``[C, KT]`` fp32: row ``x`` holds ``G`` at the middle row of ``x``'s block of ``2^(lg + 1)``
-    rows, a broadcast of one of the plain SMEM tile ``g_ref``'s rows (no tensor-core work)."""
+    rows, a broadcast of one row of ``G`` (no tensor-core work); ``g_row(r)``: a plain SMEM ref of
+    ``G``'s row ``r`` (``[KT]``; Mosaic reads a lone row only from untiled SMEM)."""
     span = 2 << lg
     rows = iota((CHUNK, KT), 0)
     anchor = None
     for start in range(0, CHUNK, span):
-        row = per_col(load(g_ref.at[start + span // 2], COL), (CHUNK, KT))
+        row = per_col(load(g_row(start + span // 2), COL), (CHUNK, KT))
         anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
     return anchor
 
@@ -82,21 +88,21 @@ def bounded_channels(g, g_tile):
     ``[C, KT]``, loaded) whose every row lies within :data:`BOUND` nats of its 32-row block's row
     16, else 0 (also for a NaN): a chunk whose channels are all 1 takes the scores' bounded path
     (:func:`bounded_chunks`)."""
-    spread = jnp.abs(g - anchor_rows(BOUNDED_LG, g_tile))
+    spread = jnp.abs(g - anchor_rows(BOUNDED_LG, plain_rows(g_tile)))
     # The min over rows spans the warpgroup's four warps, which Mosaic reduces through one SMEM
     # scratch per kernel: only a kernel of one warpgroup may call this (see _last_row_sums).
     return jnp.min(jnp.where(spread <= BOUND, 1.0, 0.0), axis=0)
 
 
-def gate_factors(g, g_tile, masks, bi, ni):
+def gate_factors(g, last_row, masks, bi, ni):
     """One channel tile's decay factors (module docstring, "Gates"):
     ``(into [C, KT], to_end [C, KT], gamma [KT] COL)`` =
     ``(exp(G) enter, exp(G_last - G) leave, exp(G_last) enter_last)``.
 
-    g: the plain SMEM tile ``g_tile`` (``[C, KT]`` fp32), loaded; ``masks``: ``()`` or the refs
-    ``(seg, enter, leave)``.
+    g: the tile of ``G`` (``[C, KT]`` fp32); ``last_row``: a plain SMEM ref of its last row
+    (``[KT]``); ``masks``: ``()`` or the refs ``(seg, enter, leave)``.
     """
-    last = load(g_tile.at[CHUNK - 1], COL)
+    last = load(last_row, COL)
     into, to_end, gamma = jnp.exp(g), jnp.exp(per_col(last, (CHUNK, KT)) - g), jnp.exp(last)
     if masks:
         _, enter_ref, leave_ref = masks
@@ -190,6 +196,6 @@ def same_segment_reference(masks: SegmentMasks | None, shape):
     return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
 
 
-__all__ = ["BOUND", "BOUNDED_LG", "SegmentMasks", "anchor_rows", "bounded_channels",
+__all__ = ["BOUND", "BOUNDED_LG", "SegmentMasks", "anchor_rows", "bounded_channels", "plain_rows",
            "bounded_chunks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
            "gate_products", "same_segment_reference"]

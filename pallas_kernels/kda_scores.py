@@ -56,11 +56,14 @@ operands' rounding), which is faster than the exact ``exp``.
 
 Layout: the backward runs one CTA per ``(chunk, head, batch)``, the forward one per up to four
 consecutive chunks of a head (the next chunk's inputs load while one is computed); the key
-channels are handled in tiles of 64 (``K`` in {64, 128}). ``q`` and ``k`` arrive by TMA from the
-caller's ``[B, T, H, K]`` layout into swizzled SMEM tiles (a plain row-major tile puts the rows
-one load touches on the same banks), ``G`` head-major into plain SMEM (its anchor rows are read one
-row at a time, which Mosaic lowers only from untiled SMEM); the scaled operands of each level are
-written to swizzled bf16 SMEM tiles for WGMMA.
+channels are handled in tiles of 64 (``K`` in {64, 128}). ``q``, ``k`` and (backward) ``dS``
+arrive by TMA into swizzled SMEM tiles: a plain row-major tile puts the rows one WGMMA-layout load
+touches on the same banks. The anchor rows of ``G`` are read one row at a time, which Mosaic lowers
+only from untiled SMEM: the forward takes ``G`` into plain SMEM; the backward, which loads the
+whole tile three times a chunk, takes it swizzled and its rows :data:`G_ROWS` into a small plain
+buffer as well. (Swizzling ``dS`` made the backward kernel 3% faster, ``dS`` and ``G`` together
+8%; ``G`` swizzled in the forward measured 3-4% slower, not explained.) The scaled operands of
+each level are written to swizzled bf16 SMEM tiles for WGMMA.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ from pallas_kernels.kda_gates import (
 )
 
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
+# Rows of G the backward reads alone: the top and bounded levels' anchors and the last row (the
+# gates' factors). TMA brings them to a small plain buffer (module docstring, "Layout").
+G_ROWS = (16, 32, 48, CHUNK - 1)
 SMS = 132  # streaming multiprocessors of an H100 SXM or H200: the forward's CTAs to fill them
 
 
@@ -156,17 +162,30 @@ def _pairs(lg, bounded: bool):
 TOP, BOUNDED, EXACT = "top", "bounded", "exact"  # the kinds of level (see _by_chunk_kind)
 
 
-def _level_decays(kind: str, lg, g_ref, p_s, parts):
-    """``_decays`` of level ``2^lg`` for one channel tile ``g_ref`` (plain SMEM ``[C, KT]``). The
-    top and bounded levels read their anchors as broadcast rows; the exact levels below the top
-    (``lg`` traced) form them as ``P_s G`` from ``G``'s bf16 ``parts`` (``p_s``: SMEM for
-    ``P_s``)."""
+def _copy_g_rows(g_ref, bi, hi, first_row, ch, rows_s, barrier):
+    """Start the TMA copies of ``G``'s rows :data:`G_ROWS` of the chunk starting at ``first_row``,
+    channels ``ch``, into ``rows_s`` (plain SMEM ``[len(G_ROWS), KT]``)."""
+    for i, r in enumerate(G_ROWS):
+        plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, first_row + r, ch], rows_s.at[i], barrier)
+
+
+def _copied_rows(rows_s):
+    """``g_row`` of :func:`~pallas_kernels.kda_gates.anchor_rows` for :func:`_copy_g_rows`'s
+    buffer."""
+    return lambda r: rows_s.at[G_ROWS.index(r)]
+
+
+def _level_decays(kind: str, lg, g_ref, g_row, p_s, parts):
+    """``_decays`` of level ``2^lg`` for one channel tile ``g_ref`` (SMEM ``[C, KT]``; ``g_row``:
+    its rows as :func:`~pallas_kernels.kda_gates.anchor_rows` takes them). The top and bounded
+    levels read their anchors as broadcast rows; the exact levels below the top (``lg`` traced)
+    form them as ``P_s G`` from ``G``'s bf16 ``parts`` (``p_s``: SMEM for ``P_s``)."""
     if kind == EXACT:
         p_s[...] = _anchor_matrix(lg)
         plgpu.commit_smem()
         anchor = _anchors(p_s, parts)
     else:
-        anchor = gates.anchor_rows(lg, g_ref)
+        anchor = gates.anchor_rows(lg, g_row)
     return _decays(load(g_ref), anchor, kind == BOUNDED)
 
 
@@ -284,7 +303,8 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
                 # Channel tiles as a loop in the kernel: unrolled, they made the module 1.5x
                 # larger (and slower to compile) for no speed.
                 def operands(t, _):
-                    er, ec = _level_decays(kind, lg, g_s.at[t], p_s,
+                    g_tile = g_s.at[t]
+                    er, ec = _level_decays(kind, lg, g_tile, gates.plain_rows(g_tile), p_s,
                                            [part.at[t] for part in g_parts])
                     _scaled_operands(kind, er, ec, q_s.at[t], k_s.at[t], bp_s.at[t],
                                      br_s.at[t], ap_s.at[t])
@@ -348,7 +368,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         dprod_refs, (dgam_ref, flags_ref), refs = refs[:3], refs[3:5], refs[5:]
         mask_refs, refs = refs[:len(masks)], refs[len(masks):]
         (dq_ref, dk_ref, dg_ref), refs = refs[:3], refs[3:]
-        q_all, k_all, g_all, *refs = refs
+        q_all, k_all, g_all, rows_all, *refs = refs
         ds_s, refs = refs[:no], refs[no:]
         bp_all, ap_all, refs = refs[0], refs[1], refs[2:]
         dsl_all, (p_all, *parts_all, bar, done) = refs[:no], refs[no:]
@@ -362,12 +382,13 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                                  (k_ref.at[bi, tok, hi, ch], k_all),
                                  (g_ref.at[bi, hi, tok, ch], g_all)):
                     plgpu.copy_gmem_to_smem(src, dst.at[t], bar)
+                _copy_g_rows(g_ref, bi, hi, ni * CHUNK, ch, rows_all.at[t], bar)
             for src, dst in zip(ds_refs, ds_s):
                 plgpu.copy_gmem_to_smem(src.at[bi, hi, tok], dst, bar)
 
         plgpu.barrier_wait(bar)
         # This warpgroup's channel tile and its own operand buffers.
-        q_s, k_s, g_s = q_all.at[wg], k_all.at[wg], g_all.at[wg]
+        q_s, k_s, g_s, rows_s = (x.at[wg] for x in (q_all, k_all, g_all, rows_all))
         bp_s, ap_s, dsl_s = bp_all.at[wg], ap_all.at[wg], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
@@ -381,7 +402,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
 
         def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
-            er, ec = _level_decays(kind, lg, g_s, p_s, g_parts)
+            er, ec = _level_decays(kind, lg, g_s, _copied_rows(rows_s), p_s, g_parts)
             lhs_p = _scaled_operands(kind, er, ec, q_s, k_s, bp_s, br_s, ap_s)
             keep = _pairs(lg, kind == BOUNDED)
             for o in range(no):
@@ -402,7 +423,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                           for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
-            factors = gates.gate_factors(load(g_s), g_s, mask_refs, bi, ni)
+            factors = gates.gate_factors(load(g_s), _copied_rows(rows_s)(CHUNK - 1), mask_refs,
+                                         bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
             dq, dk, dg = gates.gate_chain(dq, dk, dg, qv, kv, factors, d_products,
                                           load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
@@ -416,15 +438,16 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                        lambda: store_split(load(g_s), g_parts))
 
     scratch = (
-        # q, k; G plain
-        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), plgpu.SMEM((nh, CHUNK, KT), F32),
-        *(plgpu.SMEM((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (plain, shared)
+        # q, k, G and G's rows G_ROWS
+        tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT)), tiles((nh, CHUNK, KT), F32),
+        plgpu.SMEM((nh, len(G_ROWS), KT), F32),
+        *(tiles((CHUNK, CHUNK), d.dtype) for d in dss),  # dS (shared)
         tiles((nh, CHUNK, KT)),  # k times the column factor, one per warpgroup
         tiles((nh, CHUNK, KT)),  # q times the row factor
         *(tiles((nh, CHUNK, CHUNK)) for _ in range(no)),  # dS masked to one level
         # P_s, G's parts
         tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),
-        plgpu.Barrier(num_arrivals=3 * nh + no),
+        plgpu.Barrier(num_arrivals=(3 + len(G_ROWS)) * nh + no),
         plgpu.Barrier(num_arrivals=nh),
     )
     run = kernel(body, "kda_scores_bwd", interpret, approx_math=True, out_type=out_type,
