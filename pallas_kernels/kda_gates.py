@@ -70,16 +70,23 @@ def plain_rows(g_tile):
     return lambda r: g_tile.at[r]
 
 
+def anchor_row_indices(lg: int) -> tuple[int, ...]:
+    """The rows of ``G`` that :func:`anchor_rows` broadcasts: the middle row of each block of
+    ``2^(lg + 1)`` rows."""
+    span = 2 << lg
+    return tuple(range(span // 2, CHUNK, span))
+
+
 def anchor_rows(lg: int, g_row):
     """``[C, KT]`` fp32: row ``x`` holds ``G`` at the middle row of ``x``'s block of ``2^(lg + 1)``
     rows, a broadcast of one row of ``G`` (no tensor-core work); ``g_row(r)``: a plain SMEM ref of
     ``G``'s row ``r`` (``[KT]``; Mosaic reads a lone row only from untiled SMEM)."""
-    span = 2 << lg
+    half = 1 << lg
     rows = iota((CHUNK, KT), 0)
     anchor = None
-    for start in range(0, CHUNK, span):
-        row = per_col(load(g_row(start + span // 2), COL), (CHUNK, KT))
-        anchor = row if anchor is None else jnp.where(rows >= start, row, anchor)
+    for middle in anchor_row_indices(lg):
+        row = per_col(load(g_row(middle), COL), (CHUNK, KT))
+        anchor = row if anchor is None else jnp.where(rows >= middle - half, row, anchor)
     return anchor
 
 
@@ -196,6 +203,7 @@ def same_segment_reference(masks: SegmentMasks | None, shape):
     return (seg[..., :, None] == seg[..., None, :]).astype(F32).reshape(nb, 1, tp, CHUNK)
 
 
-__all__ = ["BOUND", "BOUNDED_LG", "SegmentMasks", "anchor_rows", "bounded_channels", "plain_rows",
+__all__ = ["BOUND", "BOUNDED_LG", "SegmentMasks", "anchor_row_indices", "anchor_rows",
+           "bounded_channels", "plain_rows",
            "bounded_chunks", "gate_factors", "gated_operands", "gate_chain", "same_segment",
            "gate_products", "same_segment_reference"]

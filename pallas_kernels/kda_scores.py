@@ -110,7 +110,8 @@ from pallas_kernels.kda_gates import (
 LOG_LEVELS = (5, 4, 3, 2, 1, 0)  # log2 of each level's block size s = 32, 16, ..., 1 (descending)
 # Rows of G the backward reads alone: the top and bounded levels' anchors and the last row (the
 # gates' factors). TMA brings them to a small plain buffer (module docstring, "Layout").
-G_ROWS = (16, 32, 48, CHUNK - 1)
+G_ROWS = (*gates.anchor_row_indices(LOG_LEVELS[0]), *gates.anchor_row_indices(BOUNDED_LG),
+          CHUNK - 1)
 SMS = 132  # streaming multiprocessors of an H100 SXM or H200: the forward's CTAs to fill them
 
 
@@ -388,7 +389,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
 
         plgpu.barrier_wait(bar)
         # This warpgroup's channel tile and its own operand buffers.
-        q_s, k_s, g_s, rows_s = (x.at[wg] for x in (q_all, k_all, g_all, rows_all))
+        q_s, k_s, g_s = q_all.at[wg], k_all.at[wg], g_all.at[wg]
+        g_row = _copied_rows(rows_all.at[wg])
         bp_s, ap_s, dsl_s = bp_all.at[wg], ap_all.at[wg], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
@@ -402,7 +404,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
 
         def level(lg, carry, kind):  # (da per output: row side, db: column side)
             da, db = carry
-            er, ec = _level_decays(kind, lg, g_s, _copied_rows(rows_s), p_s, g_parts)
+            er, ec = _level_decays(kind, lg, g_s, g_row, p_s, g_parts)
             lhs_p = _scaled_operands(kind, er, ec, q_s, k_s, bp_s, br_s, ap_s)
             keep = _pairs(lg, kind == BOUNDED)
             for o in range(no):
@@ -423,8 +425,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
                           for o in range(no))
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
-            factors = gates.gate_factors(load(g_s), _copied_rows(rows_s)(CHUNK - 1), mask_refs,
-                                         bi, ni)
+            factors = gates.gate_factors(load(g_s), g_row(CHUNK - 1), mask_refs, bi, ni)
             d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
             dq, dk, dg = gates.gate_chain(dq, dk, dg, qv, kv, factors, d_products,
                                           load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
