@@ -296,9 +296,14 @@ def _inverse(akk_ref, beta_ref, at: _Chunk, scratch, interpret: bool):
 
 def _inverse_scratch():
     """SMEM of :func:`_inverse`: ``L``'s two bf16 parts, the diagonal blocks, ``L`` then ``D`` in
-    fp32, and two bf16 split tiles (free again once ``T`` is formed)."""
-    return (tiles((2, CHUNK, CHUNK)), plgpu.SMEM((CHUNK, BLOCK), F32), plgpu.SMEM(FULL, F32),
-            tiles(FULL), tiles(FULL))
+    fp32, and two bf16 split tiles (free again once ``T`` is formed).
+
+    ``L``/``D`` is loaded and stored whole from WGMMA-layout registers about five times a chunk: in
+    a plain row-major tile a warp's eight rows fall on the same banks, so it takes the 64-byte
+    swizzle, whose 16-column fp32 tiles keep the diagonal blocks' column slices whole tiles. The
+    diagonal blocks' buffer stays plain: the pivots read single rows of it."""
+    return (tiles((2, CHUNK, CHUNK)), plgpu.SMEM((CHUNK, BLOCK), F32),
+            tiles(FULL, F32, swizzle=4 * BLOCK), tiles(FULL), tiles(FULL))
 
 
 def _scaled_columns(t, beta_ref, at: _Chunk):

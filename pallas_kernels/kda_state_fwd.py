@@ -120,6 +120,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                 pl.when(n + 1 < nc)(lambda: fetch(n + 1, 1 - slot))
                 plgpu.barrier_wait(state_in.at[slot])
                 gam = load(gam_s.at[slot], ROW)  # loaded early: the state's update waits for it
+                # -U too, the first product's accumulator: the stores below would delay it
+                neg_u = -load(u_s.at[slot]).astype(F32)
                 # the outputs of chunk n - depth read this slot of S and Vt
                 pl.when(n >= depth)(lambda: plgpu.barrier_wait(free.at[out]))
                 if save:  # chunk n - depth's stores of S and Vt have read it
@@ -130,8 +132,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                     plgpu.copy_smem_to_gmem(s_s.at[out], st_ref.at[bi, hi, n, :, cols],
                                             commit_group=False)
                 # W S - U, accumulated onto -U
-                neg_vt = matmul_onto(-load(u_s.at[slot]).astype(F32),
-                                     (w_s.at[slot], s_s.at[out]), interpret=interpret)
+                neg_vt = matmul_onto(neg_u, (w_s.at[slot], s_s.at[out]), interpret=interpret)
                 vt_s.at[out][...] = (-neg_vt).astype(BF16)
                 plgpu.commit_smem()
                 if applies_inverse:  # that was v - xk S, the operand of T diag(beta)
