@@ -71,6 +71,20 @@ def store_split(value, parts) -> None:
             value = value - part.astype(F32)
 
 
+def store_result(value, out, tile) -> None:
+    """Write fp32 WGMMA-layout ``value`` to the GMEM view ``out`` in ``out``'s dtype. A bf16 result
+    goes through ``tile`` (a free swizzled SMEM tile of its shape) and TMA: stored from registers,
+    a warp's 4-byte bf16 pieces half-fill the 32-byte sectors they touch (fp32's 8-byte pieces fill
+    them, so fp32 goes straight). The caller waits (``plgpu.wait_smem_to_gmem``) before it writes
+    ``tile`` again and before the kernel ends."""
+    if out.dtype != BF16:
+        out[...] = value.astype(out.dtype)
+        return
+    tile[...] = value.astype(BF16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile, out)
+
+
 def part_views(stacked) -> list:
     """The parts of a split tile stacked on its leading axis (``tiles((n, ...))``) as the list of
     refs that :func:`store_split` and the split products take."""

@@ -42,9 +42,10 @@ loops: each unrolled copy was thousands of register loads and stores, and rollin
 both modules and their compile time at the same speed (docs/benchmarks.md).
 
 For a forward without backward, :func:`scaled_inverse` writes ``T diag(beta)`` alone (bf16) for a
-state pass that applies it (:mod:`pallas_kernels.kda_state_fwd`), through SMEM and TMA: stored
-from WGMMA-layout registers, each warp's 4-byte pieces half-filled the 32-byte sectors they
-touched.
+state pass that applies it (:mod:`pallas_kernels.kda_state_fwd`). Every bf16 result (``T
+diag(beta)``, a bf16 ``W``, the bf16 gradients of ``xk`` and ``v``) leaves through a free SMEM
+tile and TMA (:func:`~pallas_kernels._mgpu.store_result`): from registers, the WY kernels took
+9% (forward) and 16% (backward) longer.
 
 Reference: :func:`wy_reference` (a triangular solve and matmuls in fp32) and
 :func:`scaled_inverse_reference`.
@@ -81,6 +82,7 @@ from pallas_kernels._mgpu import (
     per_row,
     products,
     shared_lowering,
+    store_result,
     store_split,
     tiles,
 )
@@ -318,10 +320,7 @@ def _scaled_inverse_call(akk, beta, *, interpret):
     def body(akk_ref, beta_ref, out_ref, *scratch):
         at = _this_chunk()
         tb = _scaled_columns(_inverse(akk_ref, beta_ref, at, scratch, interpret), beta_ref, at)
-        out_s = scratch[3]  # a split tile, free once T is formed: the result leaves by TMA
-        out_s[...] = tb.astype(BF16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, _view(out_ref, at, ALL))
+        store_result(tb, _view(out_ref, at, ALL), scratch[3])  # a split tile, free by now
         plgpu.wait_smem_to_gmem(0)
 
     run = kernel(body, "kda_scaled_inverse", interpret,
@@ -360,8 +359,10 @@ def _fwd_call(akk, beta, xk_parts, v_parts, *, w_dtype, save_t: bool, interpret)
         for op, z_s, out_ref in zip(staged, (xk_s, v_s), (w_ref, u_ref)):
             specs = [((CHUNK, KT), *_split_pairs((t_hi, t_lo), op.tile(z_s, i)))
                      for i in range(op.width // KT)]
-            for cols, out in zip(column_tiles(op.width), products(*specs)):
-                _view(out_ref, at, cols)[...] = out.astype(out_ref.dtype)
+            for i, (cols, out) in enumerate(zip(column_tiles(op.width), products(*specs))):
+                # L's parts, free once T is formed, stage a bf16 W
+                store_result(out, _view(out_ref, at, cols), l_parts.at[i])
+        plgpu.wait_smem_to_gmem(0)
 
     scratch = (*_inverse_scratch(), *_staging_scratch(staged))
     sds = jax.ShapeDtypeStruct
@@ -437,7 +438,8 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
             for i, (cols, dz) in enumerate(zip(column_tiles(n), grads)):
                 z = sum(load(part).astype(F32) for part in z_t(i))
                 dbeta = dbeta + jnp.sum(dz * z, axis=1)
-                _view(out_ref, at, cols, token_major)[...] = (dz * beta_rows).astype(out_ref.dtype)
+                # z's own tile, read just now, stages a bf16 gradient
+                store_result(dz * beta_rows, _view(out_ref, at, cols, token_major), z_t(i)[0])
         beta_cols = per_col(load(beta_ref.at[at.b, at.h, at.tok], COL), FULL)
         dl = _lower_grad(dt * beta_cols, t_parts, (a_hi, a_lo), interpret)
         akk = load(_view(akk_ref, at, ALL))
@@ -445,6 +447,7 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
         # where, not a product alone: Akk's junk on and above the diagonal may be anything
         dbeta = dbeta + jnp.sum(jnp.where(_strictly_lower(), dl * akk, 0.0), axis=1)
         dbeta_ref.at[at.b, at.h, at.tok][...] = dbeta
+        plgpu.wait_smem_to_gmem(0)
 
     dtype = lambda op: BF16 if op.parts == 1 else F32  # noqa: E731
     scratch = (*(tiles(FULL) for _ in range(4)), *_staging_scratch(staged))
