@@ -95,6 +95,7 @@ from pallas_kernels._mgpu import (
     matmul,
     per_row,
     shared_lowering,
+    store_result,
     store_split,
     tiles,
 )
@@ -285,6 +286,7 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
             slot = lax.rem(i, 2)
             pl.when(i + 1 < per_cta)(lambda: prefetch(i + 1, 1 - slot))
             plgpu.barrier_wait(arrived.at[slot])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's Aqk left P's tile
             q_s, k_s, g_s = q_in.at[slot], k_in.at[slot], g_in.at[slot]
             ni = first + i
             tok = pl.ds(ni * CHUNK, CHUNK)
@@ -323,13 +325,15 @@ def _fwd_call(q, k, g, flags, masks, *, scale, interpret):
                 same = gates.same_segment(mask_refs, bi, tok)
                 for out, sc, factor in zip((aqk_ref, akk_ref), scores, (scale, 1.0)):
                     sc = sc * factor if factor != 1.0 else sc
-                    out.at[bi, hi, tok][...] = (sc if same is None
-                                                else jnp.where(same, sc, 0.0)).astype(out.dtype)
+                    # P's tile, free once the levels are done, stages the bf16 Aqk
+                    store_result(sc if same is None else jnp.where(same, sc, 0.0),
+                                 out.at[bi, hi, tok], p_s)
 
             _by_chunk_kind(flags_ref[bi, hi, ni] != 0, level, tuple(scores), store, split_g)
 
         fetch(0, 0)
         lax.fori_loop(0, per_cta, chunk, None)
+        plgpu.wait_smem_to_gmem(0)
 
     scratch = (
         # q, k (swizzled), G (plain), per slot and channel tile
