@@ -305,7 +305,7 @@ def _inverse_scratch():
     swizzle, whose 16-column fp32 tiles keep the diagonal blocks' column slices whole tiles. The
     diagonal blocks' buffer stays plain: the pivots read single rows of it."""
     return (tiles((2, CHUNK, CHUNK)), plgpu.SMEM((CHUNK, BLOCK), F32),
-            tiles(FULL, F32, swizzle=4 * BLOCK), tiles(FULL), tiles(FULL))
+            tiles(FULL, F32, swizzle=BLOCK * jnp.dtype(F32).itemsize), tiles(FULL), tiles(FULL))
 
 
 def _scaled_columns(t, beta_ref, at: _Chunk):
