@@ -376,7 +376,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         q_all, k_all, g_all, rows_all, *refs = refs
         ds_s, refs = refs[:no], refs[no:]
         bp_all, ap_all, refs = refs[0], refs[1], refs[2:]
-        dsl_all, (p_all, *parts_all, bar, done) = refs[:no], refs[no:]
+        dsl_all, (p_all, *parts_all, bar, done, dprod_bar) = refs[:no], refs[no:]
         bi, hi, ni, wg = (lax.axis_index(n) for n in ("b", "h", "n", "wg"))
         tok = pl.ds(ni * CHUNK, CHUNK)
 
@@ -421,6 +421,11 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         def finish(carry):
             (dq, dk_row), db = carry
             ch = pl.ds(wg * KT, KT)
+            # The cotangents of Qg, Kg, Xk by TMA into G's parts (free once the levels are
+            # done), arriving while the diagonal and the gates' factors are formed
+            plgpu.commit_smem()
+            for r, part in zip(dprod_refs, g_parts):
+                plgpu.copy_gmem_to_smem(r.at[bi, hi, tok, ch], part, dprod_bar.at[wg])
             qv, kv = load(q_s).astype(F32), load(k_s).astype(F32)
             dg = qv * dq + kv * dk_row - kv * db
             # Diagonal (no decay): dS[r, r] k_r and dS[r, r] q_r (or k_r).
@@ -430,7 +435,8 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
             dq = dq + w_qk * kv
             dk = db + dk_row + w_qk * qv + 2.0 * w_kk * kv
             factors = gates.gate_factors(load(g_s), g_row(CHUNK - 1), mask_refs, bi, ni)
-            d_products = [load(r.at[bi, hi, tok, ch]).astype(F32) for r in dprod_refs]
+            plgpu.barrier_wait(dprod_bar.at[wg])
+            d_products = [load(part).astype(F32) for part in g_parts]
             dq, dk, dg = gates.gate_chain(dq, dk, dg, qv, kv, factors, d_products,
                                           load(dgam_ref.at[bi, hi, ni, ch], COL), scale,
                                           (p_s, bp_s, ap_s))  # free once the levels are done
@@ -454,6 +460,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         tiles((nh, CHUNK, CHUNK)), *(tiles((nh, CHUNK, KT)) for _ in range(SPLITS)),
         plgpu.Barrier(num_arrivals=(3 + len(G_ROWS)) * nh + no),
         plgpu.Barrier(num_arrivals=nh),
+        plgpu.Barrier(num_arrivals=3, num_barriers=nh),  # the cotangents of Qg, Kg, Xk
     )
     run = kernel(body, "kda_scores_bwd", interpret, approx_math=True, out_type=out_type,
                  grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), num_threads=nh,
