@@ -51,33 +51,36 @@ INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
 _state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save"))
-_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size",))
+_state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "initial_grad"))
 
 
 def _bf16(x):
     return x.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
-    """The state kernels; ``qg, kg, w, aqk`` bf16 (their cotangents come back bf16), the rest
-    fp32."""
-    return _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, save=False,
-                          interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, keep_final, interpret):
+    """The state kernels: ``(o, final)``, ``final`` None unless ``keep_final`` (then the backward
+    has no cotangent of it to read); ``h0`` None for a zero initial state. ``qg, kg, w, aqk``
+    bf16 (their cotangents come back bf16), the rest fp32."""
+    o, final = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, save=False,
+                              interpret=interpret)
+    return o, (final if keep_final else None)
 
 
-def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, interpret):
+def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, keep_final, interpret):
     o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size,
                                           interpret=interpret)
-    return (o, final), (qg, kg, w, aqk, gamma, states, vt)
+    return (o, final if keep_final else None), (qg, kg, w, aqk, gamma, states, vt, h0)
 
 
-def _state_pass_bwd(chunk_size, interpret, res, cts):
-    qg, kg, w, aqk, gamma, states, vt = res
+def _state_pass_bwd(chunk_size, keep_final, interpret, res, cts):
+    qg, kg, w, aqk, gamma, states, vt, h0 = res
     do, dfinal = cts
-    dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(qg, kg, w, aqk, gamma, states, vt, do,
-                                                  dfinal.astype(jnp.float32), chunk_size=chunk_size,
-                                                  interpret=interpret)
+    dqg, dkg, dw, daqk, dgam, du, dh0 = _state_bwd_jit(
+        qg, kg, w, aqk, gamma, states, vt, do,
+        None if dfinal is None else dfinal.astype(jnp.float32), chunk_size=chunk_size,
+        initial_grad=h0 is not None, interpret=interpret)
     return dqg, dkg, dw, du, daqk, dgam, dh0
 
 
@@ -129,43 +132,41 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
     """
     _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    h0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
+    b, t, h, _ = q.shape
+    h0 = None if initial_state is None else initial_state.astype(jnp.float32)
     op = (_kda_applying_inverse if b * h > INVERSE_CHAINS and v.dtype == jnp.bfloat16
           else _kda_through_wy)
-    o, final = op(q, k, v, g, beta, h0, segment_ids, scale, interpret)
-    o = o[:, :t].astype(q.dtype)  # bf16 [B, Tp, H, V] from the kernel
-    return o, (final if output_final_state else None)
+    o, final = op(q, k, v, g, beta, h0, segment_ids, scale, output_final_state, interpret)
+    return o[:, :t].astype(q.dtype), final  # o: bf16 [B, Tp, H, V] from the kernel
 
 
-def _kda_through_wy(q, k, v, g, beta, h0, segment_ids, scale, interpret):
-    """``(o [B, Tp, H, V] bf16, final)`` through ``W`` and ``U`` (differentiable)."""
+def _kda_through_wy(q, k, v, g, beta, h0, segment_ids, scale, keep_final, interpret):
+    """``(o [B, Tp, H, V] bf16, final or None)`` through ``W`` and ``U`` (differentiable)."""
     p = prepare(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, segment_ids=segment_ids,
                 interpret=interpret)
     return _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
-                       CHUNK, interpret)
+                       CHUNK, keep_final, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kda_applying_inverse(q, k, v, g, beta, h0, segment_ids, scale, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _kda_applying_inverse(q, k, v, g, beta, h0, segment_ids, scale, keep_final, interpret):
     """:func:`_kda_through_wy`'s values; without a gradient to follow, the state pass applies
     the chunk inverse itself and ``W``, ``U`` are never formed (the backward needs them, so a
     differentiated call takes the other path)."""
     p, inverse = prepare_applying_inverse(q, k, v, g, beta, scale=scale, chunk_size=CHUNK,
                                           segment_ids=segment_ids, interpret=interpret)
-    return _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
-                          save=False, inverse=inverse, interpret=interpret)
+    o, final = _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
+                              save=False, inverse=inverse, interpret=interpret)
+    return o, (final if keep_final else None)
 
 
-def _applying_inverse_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret):
+def _applying_inverse_fwd(q, k, v, g, beta, h0, segment_ids, scale, keep_final, interpret):
     through_wy = functools.partial(_kda_through_wy, segment_ids=segment_ids, scale=scale,
-                                   interpret=interpret)
+                                   keep_final=keep_final, interpret=interpret)
     return jax.vjp(through_wy, q, k, v, g, beta, h0)
 
 
-def _applying_inverse_bwd(scale, interpret, vjp, cts):
+def _applying_inverse_bwd(scale, keep_final, interpret, vjp, cts):
     return (*vjp(cts), None)  # segment_ids: integers
 
 

@@ -27,12 +27,14 @@ from __future__ import annotations
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._mgpu import (
     BF16,
     F32,
     ROW,
+    WG,
     copy_all,
     kernel,
     load,
@@ -45,18 +47,21 @@ from pallas_kernels.kda_state_grads import state_grads
 
 
 def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, block_v: int | None,
-                     interpret: bool):
+                     initial_grad: bool, interpret: bool):
     """The serial kernel: ``(du [B, H, Tp, V] fp32, -dVt`` (bf16, the products' operand),
-    ``dstates [B, H, NC, K, V] bf16, dh0 fp32)``."""
+    ``dstates [B, H, NC, K, V] bf16``, then ``dh0`` fp32 with ``initial_grad``)."""
     b, h, tp, dk = qg.shape
     dv, c = do.shape[-1], chunk_size
     nc, bv = tp // c, block_v or value_tile(b, h, dv)
     sds = jax.ShapeDtypeStruct
     out_type = (sds((b, h, tp, dv), F32), sds((b, h, tp, dv), BF16), sds((b, h, nc, dk, dv), BF16),
-                sds((b, h, dk, dv), F32))
+                *[sds((b, h, dk, dv), F32)] * initial_grad)
 
-    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, df_ref, du_ref, neg_dvt_ref, dst_ref,
-             dh0_ref, qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, neg_dvt_s, bars):
+    def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, *refs):
+        df_refs, refs = (refs[:1], refs[1:]) if dfinal is not None else ((), refs)
+        du_ref, neg_dvt_ref, dst_ref, *refs = refs
+        dh0_refs, refs = (refs[:1], refs[1:]) if initial_grad else ((), refs)
+        qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, neg_dvt_s, bars = refs
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
 
@@ -67,7 +72,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
             copy_all(srcs, (qg_s, kg_s, w_s, a_s, do_s, gam_s), slot, bars.at[slot])
 
         fetch(nc - 1, 0)
-        ds0 = load(df_ref.at[bi, hi, :, cols])
+        ds0 = (load(df_refs[0].at[bi, hi, :, cols]) if df_refs
+               else plgpu.layout_cast(jnp.zeros((dk, bv), F32), WG))
 
         def step(i, ds):
             n = nc - 1 - i
@@ -97,7 +103,8 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
                                (w_s.at[slot].T, neg_dvt_s), interpret=interpret)
 
         ds = lax.fori_loop(0, nc, step, ds0)
-        dh0_ref.at[bi, hi, :, cols][...] = ds
+        for dh0_ref in dh0_refs:
+            dh0_ref.at[bi, hi, :, cols][...] = ds
         plgpu.wait_smem_to_gmem(0)
 
     bf16_tiles = lambda shape: operand_tiles(shape, bv)  # noqa: E731
@@ -112,11 +119,11 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
     )
     run = kernel(body, "kda_state_bwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), scratch_types=scratch)
-    return run(qg, kg, w, aqk, gamma, do, dfinal)
+    return run(qg, kg, w, aqk, gamma, do, *(() if dfinal is None else (dfinal,)))
 
 
 def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
-              block_v: int | None = None, interpret: bool = False):
+              block_v: int | None = None, initial_grad: bool = True, interpret: bool = False):
     """Run the backward state pass: the serial kernel, then
     :func:`pallas_kernels.kda_state_grads.state_grads`.
 
@@ -125,15 +132,18 @@ def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,
       gamma: ``[B, H, NC, K]`` fp32.
       states: ``[B, H, NC, K, V]`` bf16 and vt ``[B, H, Tp, V]`` bf16 from the forward.
       do: ``[B, Tp, H, V]`` bf16 (the layout of the forward's ``o``).
-      dfinal: ``[B, H, K, V]`` fp32.
+      dfinal: ``[B, H, K, V]`` fp32, or None where the final state has no cotangent (nothing
+        read: the reverse recurrence starts from zero).
       block_v: the value tile of the serial kernel (default
         :func:`~pallas_kernels.kda_state_fwd.value_tile`).
+      initial_grad: return ``dh0`` (False where there is no initial state: None, nothing written).
 
     Returns:
       ``(dqg, dkg, dw [B, H, Tp, K], daqk [B, H, Tp, C]`` bf16,
-      ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32).
+      ``dgamma [B, H, NC, K], du [B, H, Tp, V], dh0 [B, H, K, V]`` fp32 or None).
     """
-    du, neg_dvt, dstates, dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
-                                                 chunk_size=chunk_size, block_v=block_v,
-                                                 interpret=interpret)
-    return (*state_grads(states, dstates, vt, neg_dvt, do, interpret=interpret), du, dh0)
+    du, neg_dvt, dstates, *dh0 = _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal,
+                                                  chunk_size=chunk_size, block_v=block_v,
+                                                  initial_grad=initial_grad, interpret=interpret)
+    return (*state_grads(states, dstates, vt, neg_dvt, do, interpret=interpret), du,
+            dh0[0] if dh0 else None)

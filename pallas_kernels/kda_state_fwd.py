@@ -22,12 +22,14 @@ from __future__ import annotations
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._mgpu import (
     BF16,
     F32,
     ROW,
+    WG,
     copy_all,
     finish_together,
     kernel,
@@ -72,7 +74,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
-      gamma: ``[B, H, NC, K]`` fp32.  h0: ``[B, H, K, V]`` fp32 (zeros for no initial state).
+      gamma: ``[B, H, NC, K]`` fp32.  h0: ``[B, H, K, V]`` fp32, or None for a zero initial state
+        (nothing read).
       inverse: ``None``, or (forward only, ``save=False``) the chunks' ``T diag(beta)``, bf16
         ``[B, H, Tp, C]`` (:func:`~pallas_kernels.kda_solve.scaled_inverse`); then ``w`` is
         ``xk`` and ``u`` the values ``v`` (bf16, token-major ``[B, Tp, H, V]``), and the pass
@@ -96,7 +99,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
         out_type += (jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
                      jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
-    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, h0_ref, *refs):
+    def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, *refs):
+        h0_refs, refs = (refs[:1], refs[1:]) if h0 is not None else ((), refs)
         t_refs, refs = (refs[:1], refs[1:]) if applies_inverse else ((), refs)
         o_ref, fin_ref, *refs = refs
         (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
@@ -149,7 +153,9 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                                    interpret=interpret)
 
             fetch(0, 0)
-            s = lax.fori_loop(0, nc, step, load(h0_ref.at[bi, hi, :, cols]))
+            s0 = (load(h0_refs[0].at[bi, hi, :, cols]) if h0_refs
+                  else plgpu.layout_cast(jnp.zeros((dk, bv), F32), WG))
+            s = lax.fori_loop(0, nc, step, s0)
             fin_ref.at[bi, hi, :, cols][...] = s
             for n in range(max(nc - depth, 0), nc):  # observe the outputs' last arrivals
                 plgpu.barrier_wait(free.at[n % depth])
@@ -203,4 +209,5 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     name = "kda_state_fwd_applying_inverse" if applies_inverse else "kda_state_fwd"
     run = kernel(body, name, interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
-    return run(qg, kg, w, u, aqk, gamma, h0, *(() if inverse is None else (inverse,)))
+    return run(qg, kg, w, u, aqk, gamma, *(() if h0 is None else (h0,)),
+               *(() if inverse is None else (inverse,)))

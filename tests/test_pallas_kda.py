@@ -237,6 +237,11 @@ def test_state_kernels_lower_for_cuda():
     for block_v in (64, 32, 128):
         jax.jit(lambda *a: state_bwd(*a, chunk_size=c, block_v=block_v)).trace(*bwd_in).lower(
             lowering_platforms=("cuda",))
+    # no initial state (nothing read, no gradient written) and no final state's cotangent
+    jax.jit(lambda *a: state_fwd(*a, None, chunk_size=c)).trace(*fwd_in[:-1]).lower(
+        lowering_platforms=("cuda",))
+    jax.jit(lambda *a: state_bwd(*a, None, chunk_size=c, initial_grad=False)).trace(
+        *bwd_in[:-1]).lower(lowering_platforms=("cuda",))
 
 
 def test_kernels_run_on_each_devices_rows_under_a_mesh():
@@ -333,6 +338,30 @@ def test_kda_pallas_many_chains_forward_applies_inverse():
         output_final_state=True, interpret=True))(*args)
     assert rel_rms(ref_o, o) <= BF16_OUT_TOL and rel_rms(ref_f, f) <= BF16_OUT_TOL
     _check_all(args, seg, do, dfin)
+
+
+def test_kda_pallas_without_initial_or_final_state():
+    """The training call: no initial state and no final state returned, so the state kernels
+    read neither an initial state nor the final state's cotangent and write no initial-state
+    gradient. More than ``INVERSE_CHAINS`` chains: the values through both forward paths and the
+    five gradients within math §10's bf16 tolerances."""
+    args, do, _ = _bf16_case(7, 1, 90, INVERSE_CHAINS + 1, 64, 64, "softplus")
+    ker = lambda q, k, v, g, beta: kda_pallas(  # noqa: E731
+        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, interpret=True)
+    ref = lambda *a: (kda_reference(*a, scale=0.125)[0], None)  # noqa: E731
+
+    def values_and_grads(fn):
+        (o, final), vjp = jax.vjp(fn, *args[:5])
+        return o, final, vjp((do.astype(o.dtype), None))
+
+    ro, _, rg = jax.jit(lambda: values_and_grads(ref))()
+    o, final, kg = jax.jit(lambda: values_and_grads(ker))()
+    alone, final_alone = jax.jit(ker)(*args[:5])  # no gradient to follow: the other path
+    assert final is None and final_alone is None
+    assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(ro, alone) <= BF16_OUT_TOL
+    for name, r, x in zip(NAMES, rg, kg):
+        tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
 
 
 def test_kda_pallas_fp32_inputs():

@@ -94,3 +94,24 @@ def test_repeatable_on_gpu(b):
     a, b = fn(*args[:5]), fn(*args[:5])
     assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
     assert bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.parametrize("b,h", [(2, 4), (2, 12)])
+def test_without_initial_or_final_state_on_gpu(b, h):
+    """The training call: no initial state, no final state returned (the state kernels read
+    neither, and write no initial-state gradient), at 32-wide value tiles and at 64-wide ones with
+    the forward alone applying the inverse: values and the five gradients against the fp32
+    recurrence within math §10's bf16 tolerances."""
+    args, do, _ = kda_bf16_case(21 + h, b, 1024, h, 128, 128, "lower_bound")
+    scale = 128**-0.5
+    ker = lambda q, k, v, g, beta: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta,  # noqa: E731
+                                              scale=scale)[0]
+    ref = lambda *a: kda_reference(*a, scale=scale)[0]  # noqa: E731
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do)  # noqa: E731
+    ro, o = jax.jit(ref)(*args[:5]), jax.jit(ker)(*args[:5])
+    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args[:5])
+    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(5))))(*args[:5])
+    assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
+    for n, r, x in zip(NAMES, rg, kg):
+        bound = BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= bound, (n, rel_rms(r, x))
