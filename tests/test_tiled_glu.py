@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.activations import glu, glu_vjp
+from k3jax.ops.activations import glu, glu_recomputed, glu_vjp
 from k3jax.ops.moe_dispatch import GLUSpec
 from k3jax.ops.tiled_glu import glu_on_tiles
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
@@ -44,6 +44,31 @@ def test_glu_vjp_equals_autodiff(act):
 
     for ref, ours in zip(*derivatives(gate, up, dh)):
         assert rel_rms(ref, ours) <= FP32_TOL
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_glu_recomputed_keeps_only_its_inputs(act):
+    """:func:`glu_recomputed` is :func:`glu` (values equal, gradients within math §10 FP32_TOL
+    of autodiff's in fp32), and its backward keeps nothing but the two bf16 inputs, where
+    autodiff of ``glu`` keeps fp32 intermediates of the inputs' shape."""
+    names = (act.name, act.beta_gate, act.beta_up)
+    gate, up, dh = _operands(64, 96, 3, jnp.float32)
+
+    @jax.jit
+    def both(gate, up, dh):
+        (y, vjp), (y_re, vjp_re) = (jax.vjp(lambda a, b: f(a, b, *names), gate, up)
+                                    for f in (glu, glu_recomputed))
+        return y, y_re, vjp(dh), vjp_re(dh)
+
+    y, y_re, grads, grads_re = both(gate, up, dh)
+    assert bool(jnp.array_equal(y, y_re))
+    for ref, ours in zip(grads, grads_re):
+        assert rel_rms(ref, ours) <= FP32_TOL
+    kept = lambda f: [(x.dtype, x.shape) for x in jax.tree.leaves(  # noqa: E731
+        jax.vjp(lambda a, b: f(a, b, *names), gate.astype(jnp.bfloat16),
+                up.astype(jnp.bfloat16))[1]) if x.ndim]
+    assert kept(glu_recomputed) == [(jnp.dtype(jnp.bfloat16), gate.shape)] * 2
+    assert (jnp.dtype(jnp.float32), gate.shape) in kept(glu)
 
 
 @pytest.mark.parametrize("act", ACTS)

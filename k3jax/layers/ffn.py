@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.param import normal
-from k3jax.ops.activations import glu
+from k3jax.ops.activations import glu_recomputed
 
 
 class GLUMLP(nn.Module):
@@ -35,8 +35,8 @@ class GLUMLP(nn.Module):
         w_down = self.param("w_down", normal(self.init_std, ("mlp", "embed")),
                             (self.intermediate, self.d_model), pdt)
         x = x.astype(cdt)
-        h = glu(x @ w_gate.astype(cdt), x @ w_up.astype(cdt), self.activation, self.beta_gate,
-                self.beta_up)
+        h = glu_recomputed(x @ w_gate.astype(cdt), x @ w_up.astype(cdt), self.activation,
+                           self.beta_gate, self.beta_up)
         return h @ w_down.astype(cdt)
 
 

@@ -47,6 +47,17 @@ def glu(gate: jax.Array, up: jax.Array, activation: str, beta_gate: float = 4.0,
     return situ_glu(gate, up, beta_gate, beta_up)
 
 
+def glu_recomputed(gate: jax.Array, up: jax.Array, activation: str, beta_gate: float = 4.0,
+                   beta_up: float = 25.0) -> jax.Array:
+    """:func:`glu`, differentiated by computing it again in the backward from ``gate`` and ``up``.
+
+    The inputs are the products' outputs, which are kept anyway. Autodiff of :func:`glu` would
+    keep its fp32 intermediates instead (the tanh and sigmoid values: in a GPU step, two
+    ``[..., m]`` fp32 arrays the forward writes and the backward reads, four times the bytes of
+    the bf16 inputs); recomputing them inside the backward's fusion is a few elementwise ops."""
+    return jax.checkpoint(glu, static_argnums=(2, 3, 4))(gate, up, activation, beta_gate, beta_up)
+
+
 def glu_vjp(gate: jax.Array, up: jax.Array, dh: jax.Array, activation: str,
             beta_gate: float = 4.0, beta_up: float = 25.0) -> tuple[jax.Array, jax.Array]:
     """The input gradients of :func:`glu` written out, ``(dgate, dup)`` in fp32, from fp32 ``gate``,

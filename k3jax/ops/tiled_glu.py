@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.activations import glu_recomputed
 from k3jax.ops.grouped_matmul import tile_groups
 from k3jax.ops.kernel_launch import launcher
 
@@ -30,7 +31,7 @@ def glu_on_tiles(gate: jax.Array, up: jax.Array, group_sizes: jax.Array, act,
     tiles past the last group are then unspecified, as theirs are. ``interpret``: run the kernels
     in the Mosaic GPU interpreter (CPU tests)."""
     if not on_tiles:
-        return act(gate, up)
+        return glu_recomputed(gate, up, act.name, act.beta_gate, act.beta_up)
     tile_group = tile_groups(group_sizes.astype(jnp.int32), gate.shape[0])
     return _tiled(gate, up, tile_group, act, interpret)
 
