@@ -53,8 +53,8 @@ def glu_recomputed(gate: jax.Array, up: jax.Array, activation: str, beta_gate: f
 
     The inputs are the products' outputs, which are kept anyway. Autodiff of :func:`glu` would
     keep its fp32 intermediates instead (the tanh and sigmoid values: in a GPU step, two
-    ``[..., m]`` fp32 arrays the forward writes and the backward reads, four times the bytes of
-    the bf16 inputs); recomputing them inside the backward's fusion is a few elementwise ops.
+    ``[..., m]`` fp32 arrays the forward writes and the backward reads, twice the bytes of the
+    bf16 inputs); recomputing them inside the backward's fusion is a few elementwise ops.
     ``jax.checkpoint``, not a custom VJP through :func:`glu_vjp`: the checkpoint's barrier keeps
     XLA from merging the backward's recomputation with the forward's values (with a custom VJP it
     did, and the fp32 arrays came back)."""
