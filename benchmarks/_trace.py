@@ -45,6 +45,9 @@ class Instr:
     # Bytes of its operands and results: what one run of the instruction moves, reading each
     # operand once (an upper bound for one that reads a slice of an operand).
     bytes: int = 0
+    # A fusion's computation with names and metadata left out: XLA compiles fusions of equal
+    # code into one kernel, named after the first of them.
+    code: str | None = None
 
 
 def trace_files(paths: list[str]) -> list[str]:
@@ -93,6 +96,11 @@ _OPCODE = re.compile(r"^(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
 _MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
 
 
+# A computation's first line, "%fused_computation.3 (param_0: f32[8]) -> f32[8] {", or
+# "ENTRY %main.5 (...) -> ... {".
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(=]+)\s*\(.*\{\s*$")
+_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
+_NAMES = re.compile(r"%[^\s,()=]+")
 _ARRAY = re.compile(r"\b(pred|bf16|[fsu]\d+|f8\w*)\[([\d,]*)\]")
 _OPERAND = re.compile(r"%([^\s,()]+)")
 
@@ -110,28 +118,78 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
     """``{module name: {instruction name: Instr}}`` of every instruction in the text of one or
     more HLO modules (each begins with its ``HloModule NAME`` line)."""
     modules: dict[str, dict[str, tuple]] = {}
+    bodies: dict[str, dict[str, list[str]]] = {}
     out = modules.setdefault("", {})  # instructions before any module line
+    body = bodies.setdefault("", {})
+    lines: list[str] = []
     for line in hlo_text.splitlines():
         module = _MODULE.match(line)
         if module:
             out = modules.setdefault(module.group(1), {})
+            body = bodies.setdefault(module.group(1), {})
+            continue
+        computation = _COMPUTATION.match(line)
+        if computation:
+            lines = body.setdefault(computation.group(1), [])
             continue
         m = _INSTR.match(line)
         if not m or line.lstrip().startswith("//"):
             continue
         rest = m.group(2)
+        lines.append(_NAMES.sub("%", _METADATA.sub("", rest)))
         op = _OPCODE.match(rest)
         if op is None:
             continue
         operands = _OPERAND.findall(rest[op.end():].split(")", 1)[0])
         out[m.group(1)] = (Instr(op.group(1), _field(r"kind=(k\w+)", rest),
                                  _field(r'custom_call_target="([^"]+)"', rest),
-                                 _field(r'op_name="([^"]*)"', rest) or ""),
+                                 _field(r'op_name="([^"]*)"', rest) or "",
+                                 code=_field(r"calls=%?([^\s,]+)", rest)),
                            _array_bytes(rest[:op.start(1)]), operands)
-    return {name: {i: dataclasses.replace(instr, bytes=own + sum(
-                       parsed[o][1] for o in operands if o in parsed))
+    return {name: {i: dataclasses.replace(
+                       instr, bytes=own + sum(parsed[o][1] for o in operands if o in parsed),
+                       code=(None if instr.opcode != "fusion" or instr.code is None else
+                             "\n".join(bodies[name].get(instr.code, [instr.code]))))
                    for i, (instr, own, operands) in parsed.items()}
             for name, parsed in modules.items() if parsed}
+
+
+def instructions_of(kernel: Kernel, modules: dict[str, dict[str, Instr]],
+                    kernel_names: set[str], by_code: dict | None = None) -> list[Instr]:
+    """The instructions ``kernel`` may have run: :func:`instruction_of`'s, and where that is a
+    fusion found by the kernel's name (inside a command buffer) and the first of its code whose
+    kernel ran, also the fusions of equal code whose own kernels never ran (``kernel_names``:
+    every kernel name of the trace): XLA compiled those into this kernel, so its runs are theirs
+    too, one each a step. Empty when unknown.
+    ``by_code``: :func:`fusions_by_code` of ``modules``, when already made."""
+    instr = instruction_of(kernel, modules)
+    if instr is None or instr.code is None or kernel.hlo_op in modules.get(kernel.module, {}):
+        return [] if instr is None else [instr]
+    by_code = fusions_by_code(modules) if by_code is None else by_code
+    module = next(m for m, table in modules.items() if any(i is instr for i in table.values())
+                  ) if kernel.module not in modules else kernel.module
+    equal = by_code[module, instr.code]
+    ran = [other for name, other in equal if _kernel_name(name) in kernel_names]
+    if ran and ran[0] is not instr:  # the kernel is named after the first fusion it runs
+        return [instr]
+    return [instr] + [other for name, other in equal
+                      if other is not instr and _kernel_name(name) not in kernel_names]
+
+
+def fusions_by_code(modules: dict[str, dict[str, Instr]]
+                    ) -> dict[tuple[str, str], list[tuple[str, Instr]]]:
+    """``{(module, code): [(name, Instr)]}`` of the fusions of ``modules``."""
+    out: dict[tuple[str, str], list[tuple[str, Instr]]] = collections.defaultdict(list)
+    for module, table in modules.items():
+        for name, instr in table.items():
+            if instr.code is not None:
+                out[module, instr.code].append((name, instr))
+    return out
+
+
+def _kernel_name(instruction: str) -> str:
+    """The kernel XLA compiles for a fusion (``loop_add_fusion.3`` -> ``loop_add_fusion_3``)."""
+    return instruction.replace(".", "_")
 
 
 def _field(pattern: str, text: str) -> str | None:
@@ -238,25 +296,33 @@ def summarize(kernels: list[Kernel], instrs: dict[str, dict[str, Instr]]) -> dic
     :func:`hlo_instructions`):
     ``{"kernel_ns", "busy_ns", "span_ns", "categories": Counter, "sources": Counter,
     "source_bytes": Counter (the bytes their instructions move), "programs": Counter (by HLO
-    module), "ops": {(kernel, hlo_op, module): [ns, calls, category, pass, source, bytes]}}``."""
+    module), "ops": {(kernel, hlo_op, module, source): [ns, calls, category, pass, source,
+    bytes]}}``; a kernel that ran fusions of equal code (:func:`instructions_of`) is split
+    evenly over their sources, calls included."""
     cats, srcs, moved, programs, ops = (collections.Counter(), collections.Counter(),
                                         collections.Counter(), collections.Counter(), {})
+    names, by_code = {k.name for k in kernels}, fusions_by_code(instrs)
     for k in kernels:
-        instr = instruction_of(k, instrs)
-        cat = category(k, instr)
-        where, scope = (source(instr.op_name) if instr else
-                        ("-", "(in a command buffer)") if (k.hlo_op or "").startswith(
-                            "command_buffer") else source(""))
-        nbytes = instr.bytes if instr else 0
-        cats[cat] += k.duration_ns
-        programs[k.module or "(unnamed)"] += k.duration_ns
-        key = (cat.split(":")[0], where, scope)
-        srcs[key] += k.duration_ns
-        moved[key] += nbytes
-        row = ops.setdefault((k.name, k.hlo_op, k.module), [0.0, 0, cat, where, scope, 0])
-        row[0] += k.duration_ns
-        row[1] += 1
-        row[5] += nbytes
+        # A kernel XLA compiled for several fusions of equal code: its time is theirs in equal
+        # parts (equal code, equal shapes: equal work).
+        found = instructions_of(k, instrs, names, by_code) or [None]
+        for instr in found:
+            share = 1 / len(found)
+            cat = category(k, instr)
+            where, scope = (source(instr.op_name) if instr else
+                            ("-", "(in a command buffer)") if (k.hlo_op or "").startswith(
+                                "command_buffer") else source(""))
+            nbytes = (instr.bytes if instr else 0) * share
+            cats[cat] += k.duration_ns * share
+            programs[k.module or "(unnamed)"] += k.duration_ns * share
+            key = (cat.split(":")[0], where, scope)
+            srcs[key] += k.duration_ns * share
+            moved[key] += nbytes
+            row = ops.setdefault((k.name, k.hlo_op, k.module, scope),
+                                 [0.0, 0.0, cat, where, scope, 0])
+            row[0] += k.duration_ns * share
+            row[1] += share
+            row[5] += nbytes
     span = (max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
             if kernels else 0.0)
     return {"kernel_ns": sum(cats.values()), "busy_ns": busy_ns(kernels), "span_ns": span,

@@ -25,7 +25,10 @@ backward pass; ``(made by XLA)`` are instructions XLA added itself (layout copie
 Kernels that XLA records into command buffers (CUDA graphs) do not name their instruction:
 library and Mosaic kernels are still sorted by their names, but their source reads ``(in a
 command buffer)``; ``--attribute`` turns command buffers off so every kernel names its source
-(on an H200 the k3_small step ran within a few percent of its usual time that way).
+(on an H200 the k3_small step ran within a few percent of its usual time that way). A fusion's
+kernel there is found by its name, and XLA compiles fusions of equal code once, naming the kernel
+after the first: its time is split evenly among them (``ops.jsonl`` has a row for each source,
+with its share of the calls).
 ``--out DIR`` also writes ``ops.jsonl`` there (every distinct kernel with its program,
 instruction, category, source and time per step) and ``hlo.txt.gz`` (the compiled modules, whose
 instruction names ``ops.jsonl`` refers to); ``--keep-trace`` keeps the trace under it too.
@@ -139,10 +142,10 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
     per = lambda ns: round(ns / steps / 1e6, 3)
     counts = {}
     for _, (_, calls, cat, *_) in summary["ops"].items():
-        counts[cat] = counts.get(cat, 0) + calls // steps
+        counts[cat] = counts.get(cat, 0) + calls / steps
     for cat, ns in summary["categories"].most_common():
         emit({"category": cat, "ms": per(ns), "share": round(ns / busy, 4),
-              "kernels": counts.get(cat, 0)})
+              "kernels": round(counts.get(cat, 0))})
     for program, ns in summary["programs"].most_common():
         emit({"program": program, "ms": per(ns), "share": round(ns / busy, 4)})
     sources = [(key, ns, _traffic(summary["source_bytes"][key], ns, steps))
@@ -152,11 +155,11 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
               "share": round(ns / busy, 4), **traffic})
     if out_dir:
         with open(f"{out_dir}/ops.jsonl", "w") as f:
-            for (name, op, module), (ns, calls, cat, where, scope, moved) in sorted(
+            for (name, op, module, _), (ns, calls, cat, where, scope, moved) in sorted(
                     summary["ops"].items(), key=lambda kv: -kv[1][0]):
                 f.write(json.dumps({"kernel": name[:200], "hlo_op": op, "module": module,
                                     "category": cat, "pass": where, "source": scope,
-                                    "ms": per(ns), "calls": calls // steps,
+                                    "ms": per(ns), "calls": _count(calls / steps),
                                     **_traffic(moved, ns, steps)}) + "\n")
     print(f"\n{'program / category':<34}{'ms/step':>10}{'share':>8}", file=sys.stderr)
     for name, ns in [*summary["programs"].most_common(), *summary["categories"].most_common(12)]:
@@ -166,6 +169,11 @@ def report(summary: dict, steps: int, top: int, out_dir: str | None) -> None:
         rate = traffic.get("TB_s")
         print(f"{(cat + ' ' + scope)[:57]:<58}{where:>5}{per(ns):>10.2f}{ns / busy:>8.1%}"
               f"{'' if rate is None else f'{rate:7.2f}'}", file=sys.stderr)
+
+
+def _count(calls: float) -> int | float:
+    """Calls a step: whole, or a share of a kernel that ran several fusions (``_trace``)."""
+    return int(calls) if calls == int(calls) else round(calls, 2)
 
 
 def _traffic(moved: int, ns: float, steps: int) -> dict:
