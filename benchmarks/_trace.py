@@ -101,6 +101,7 @@ _MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(=]+)\s*\(.*\{\s*$")
 _METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
 _NAMES = re.compile(r"%[^\s,()=]+")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([^\s,(){}]+)")
 _ARRAY = re.compile(r"\b(pred|bf16|[fsu]\d+|f8\w*)\[([\d,]*)\]")
 _OPERAND = re.compile(r"%([^\s,()]+)")
 
@@ -136,7 +137,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
         if not m or line.lstrip().startswith("//"):
             continue
         rest = m.group(2)
-        lines.append(_NAMES.sub("%", _METADATA.sub("", rest)))
+        lines.append(_METADATA.sub("", rest))
         op = _OPCODE.match(rest)
         if op is None:
             continue
@@ -149,9 +150,24 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
     return {name: {i: dataclasses.replace(
                        instr, bytes=own + sum(parsed[o][1] for o in operands if o in parsed),
                        code=(None if instr.opcode != "fusion" or instr.code is None else
-                             "\n".join(bodies[name].get(instr.code, [instr.code]))))
+                             _code(instr.code, bodies[name], {})))
                    for i, (instr, own, operands) in parsed.items()}
             for name, parsed in modules.items() if parsed}
+
+
+def _code(computation: str, bodies: dict[str, list[str]], memo: dict[str, str]) -> str:
+    """A computation's instructions without their names (and metadata), with the code of each
+    computation they call (a fusion's, a reduction's reducer) in place of its name: reductions
+    by ``add`` and by ``max`` are different code."""
+    if computation not in memo:
+        memo[computation] = computation  # a cycle (none in HLO) reads as the name
+        lines = []
+        for rest in bodies.get(computation, [computation]):
+            called = [_code(c, bodies, memo) for c in _CALLED.findall(rest)]
+            lines.append(_NAMES.sub("%", _CALLED.sub("", rest)) + "".join(
+                f"{{{c}}}" for c in called))
+        memo[computation] = "\n".join(lines)
+    return memo[computation]
 
 
 def instructions_of(kernel: Kernel, modules: dict[str, dict[str, Instr]],

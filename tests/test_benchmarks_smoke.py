@@ -279,14 +279,21 @@ def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
 
 def _fusion_module(name: str, fusions: list[tuple[str, str, str]]) -> str:
     """HLO text of a module whose entry runs ``fusions`` (instruction, computation, op_name),
-    each a bf16[8] add or, for a computation named ``mul...``, a multiply."""
+    each a bf16[8] add, or for a computation named ``mul...`` a multiply, or for ``sum...`` and
+    ``max...`` a reduction by a reducer computation (``add`` or ``maximum``) of its own."""
     comps = {comp for _, comp, _ in fusions}
     text = [f"HloModule {name}, is_scheduled=true", ""]
     for comp in sorted(comps):
-        op = "multiply" if comp.startswith("mul") else "add"
+        root = "multiply(%p0, %p1)" if comp.startswith("mul") else "add(%p0, %p1)"
+        if comp[:3] in ("sum", "max"):
+            op = "add" if comp.startswith("sum") else "maximum"
+            text += [f"%{comp}_reducer (a: bf16[], b: bf16[]) -> bf16[] {{",
+                     "  %a = bf16[] parameter(0)", "  %b = bf16[] parameter(1)",
+                     f"  ROOT %c = bf16[] {op}(%a, %b)", "}", ""]
+            root = f"reduce(%p0, %p1), dimensions={{0}}, to_apply=%{comp}_reducer"
         text += [f"%{comp} (p0: bf16[8], p1: bf16[8]) -> bf16[8] {{",
                  "  %p0 = bf16[8]{0} parameter(0)", "  %p1 = bf16[8]{0} parameter(1)",
-                 f"  ROOT %r = bf16[8]{{0}} {op}(%p0, %p1), metadata={{op_name=\"{comp}\"}}",
+                 f"  ROOT %r = bf16[8]{{0}} {root}, metadata={{op_name=\"{comp}\"}}",
                  "}", ""]
     text += ["ENTRY %main (x: bf16[8]) -> bf16[8] {", "  %x = bf16[8]{0} parameter(0)"]
     text += [f"  %{instr} = bf16[8]{{0}} fusion(%x, %x), kind=kLoop, calls=%{comp}, "
@@ -297,7 +304,8 @@ def _fusion_module(name: str, fusions: list[tuple[str, str, str]]) -> str:
 def test_a_kernel_xla_compiled_for_fusions_of_equal_code_is_split_between_them():
     """Inside a command buffer a kernel names no instruction, and XLA compiles fusions of equal
     code once, naming the kernel after the first: its runs are shared by all of them (but not
-    by one whose own kernel ran, nor by equal code in another program)."""
+    by one whose own kernel ran, nor by equal code in another program, nor by a reduction whose
+    reducer differs)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from _trace import Kernel, hlo_instructions, summarize
@@ -307,16 +315,19 @@ def test_a_kernel_xla_compiled_for_fusions_of_equal_code_is_split_between_them()
         _fusion_module("grads", [("wrapped_add", "add_a", "first/add"),
                                  ("wrapped_add.1", "add_b", "second/add"),
                                  ("wrapped_add.2", "add_c", "own_kernel/add"),
-                                 ("wrapped_multiply", "mul_a", "third/mul")]),
+                                 ("wrapped_multiply", "mul_a", "third/mul"),
+                                 ("reduce_fusion", "sum_a", "fifth/sum"),
+                                 ("reduce_fusion.1", "max_a", "sixth/max")]),
         _fusion_module("update", [("wrapped_add", "add_a", "other_program/add")])])
     run = lambda name, ns, module="grads": Kernel(name, 0.0, ns, "command_buffer_1", module)  # noqa: E731
     kernels = [run("wrapped_add", 100.0), run("wrapped_add", 100.0), run("wrapped_add_2", 60.0),
-               run("wrapped_multiply", 50.0), run("wrapped_add", 30.0, "update")]
+               run("wrapped_multiply", 50.0), run("wrapped_add", 30.0, "update"),
+               run("reduce_fusion", 40.0)]  # the max reduction never ran
     summary = summarize(kernels, hlo_instructions(hlo))
     by_scope = {scope: ns for (_, _, scope), ns in summary["sources"].items()}
     assert by_scope == {"first/add": 100.0, "second/add": 100.0, "own_kernel/add": 60.0,
-                        "third/mul": 50.0, "other_program/add": 30.0}, by_scope
-    assert summary["kernel_ns"] == 340.0
+                        "third/mul": 50.0, "other_program/add": 30.0, "fifth/sum": 40.0}, by_scope
+    assert summary["kernel_ns"] == 380.0
     calls = {key[3]: row[1] for key, row in summary["ops"].items()}
     assert calls["first/add"] == calls["second/add"] == 1.0  # two runs, shared by two fusions
     # Each fusion moves its two operands and its result once a run: 3 x 8 bf16 values.
