@@ -51,6 +51,18 @@ def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), WG)
 
 
+def zeros(shape: tuple[int, ...], layout=WG) -> jax.Array:
+    """fp32 zeros in ``layout`` (an accumulator's or a recurrence's start)."""
+    return plgpu.layout_cast(jnp.zeros(shape, F32), layout)
+
+
+def optional_refs(refs, present: bool) -> tuple[tuple, tuple]:
+    """``(refs[:1], refs[1:])`` if an optional operand or result is ``present``, else
+    ``((), refs)``: a kernel body's next ref where that array is passed (or returned) only when
+    present."""
+    return (tuple(refs[:1]), tuple(refs[1:])) if present else ((), tuple(refs))
+
+
 def per_row(vec, shape: tuple[int, int]) -> jax.Array:
     """A per-row vector (``ROW`` layout) broadcast over the columns of a ``shape`` tile."""
     return lax.broadcast_in_dim(vec, shape, (0,))

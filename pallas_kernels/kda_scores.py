@@ -86,7 +86,6 @@ from pallas_kernels._mgpu import (
     HEAD_DIMS,
     KT,
     SPLITS,
-    WG,
     column_tiles,
     finish_together,
     iota,
@@ -98,6 +97,7 @@ from pallas_kernels._mgpu import (
     store_result,
     store_split,
     tiles,
+    zeros,
 )
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
 from pallas_kernels.kda_gates import (
@@ -398,7 +398,7 @@ def _bwd_call(q, k, g, daqk, dakk, d_products, d_gamma, flags, masks, *, scale, 
         bp_s, ap_s, dsl_s = bp_all.at[wg], ap_all.at[wg], [x.at[wg] for x in dsl_all]
         p_s, g_parts = p_all.at[wg], [x.at[wg] for x in parts_all]
         br_s = g_parts[-1]  # k times the row factor: the bounded path never splits G
-        zero = plgpu.layout_cast(jnp.zeros((CHUNK, KT), F32), WG)
+        zero = zeros((CHUNK, KT))
         same = gates.same_segment(mask_refs, bi, tok)
 
         def masked_ds(o, keep):

@@ -85,6 +85,7 @@ from pallas_kernels._mgpu import (
     store_result,
     store_split,
     tiles,
+    zeros,
 )
 
 BLOCK = 16  # rows of a diagonal block inverted by elimination
@@ -424,7 +425,7 @@ def _bwd_call(t, akk, beta, xk_parts, v_parts, dw_parts, du, *, interpret):
             (FULL, *[pair for i in range(nk)
                      for pair in _split_pairs(dw_t(i), [z.T for z in xk_t(i)])]),
             *[((CHUNK, KT), *_split_pairs(t_tr, dw_t(i))) for i in range(nk)])
-        dbeta = plgpu.layout_cast(jnp.zeros((CHUNK,), F32), ROW)
+        dbeta = zeros((CHUNK,), ROW)
         outs = [(dxs, xk_t, dxk_ref, False, dk)]
         dys = []
         for i, du_tile in enumerate(du_tiles):  # dU is split: one tile at a time

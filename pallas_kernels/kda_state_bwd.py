@@ -27,20 +27,20 @@ from __future__ import annotations
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._mgpu import (
     BF16,
     F32,
     ROW,
-    WG,
     copy_all,
     kernel,
     load,
     matmul,
     matmul_onto,
+    optional_refs,
     per_row,
+    zeros,
 )
 from pallas_kernels.kda_state_fwd import operand_tiles, value_tile
 from pallas_kernels.kda_state_grads import state_grads
@@ -58,9 +58,9 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
                 *[sds((b, h, dk, dv), F32)] * initial_grad)
 
     def body(qg_ref, kg_ref, w_ref, a_ref, gam_ref, do_ref, *refs):
-        df_refs, refs = (refs[:1], refs[1:]) if dfinal is not None else ((), refs)
+        df_refs, refs = optional_refs(refs, dfinal is not None)
         du_ref, neg_dvt_ref, dst_ref, *refs = refs
-        dh0_refs, refs = (refs[:1], refs[1:]) if initial_grad else ((), refs)
+        dh0_refs, refs = optional_refs(refs, initial_grad)
         qg_s, kg_s, w_s, a_s, do_s, gam_s, ds_s, neg_dvt_s, bars = refs
         bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
         cols = pl.ds(vi * bv, bv)
@@ -72,8 +72,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
             copy_all(srcs, (qg_s, kg_s, w_s, a_s, do_s, gam_s), slot, bars.at[slot])
 
         fetch(nc - 1, 0)
-        ds0 = (load(df_refs[0].at[bi, hi, :, cols]) if df_refs
-               else plgpu.layout_cast(jnp.zeros((dk, bv), F32), WG))
+        ds0 = load(df_refs[0].at[bi, hi, :, cols]) if df_refs else zeros((dk, bv))
 
         def step(i, ds):
             n = nc - 1 - i
@@ -119,7 +118,7 @@ def _recurrence_call(qg, kg, w, aqk, gamma, do, dfinal, *, chunk_size: int, bloc
     )
     run = kernel(body, "kda_state_bwd", interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), scratch_types=scratch)
-    return run(qg, kg, w, aqk, gamma, do, *(() if dfinal is None else (dfinal,)))
+    return run(qg, kg, w, aqk, gamma, do, *(x for x in (dfinal,) if x is not None))
 
 
 def state_bwd(qg, kg, w, aqk, gamma, states, vt, do, dfinal, *, chunk_size: int,

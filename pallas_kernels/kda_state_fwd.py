@@ -22,22 +22,22 @@ from __future__ import annotations
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._mgpu import (
     BF16,
     F32,
     ROW,
-    WG,
     copy_all,
     finish_together,
     kernel,
     load,
     matmul,
     matmul_onto,
+    optional_refs,
     per_row,
     tiles,
+    zeros,
 )
 
 BLOCK_V = 64  # the value tile between FEW_CHAINS and MANY_CHAINS chains: the widest at which the
@@ -100,8 +100,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                      jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
 
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, *refs):
-        h0_refs, refs = (refs[:1], refs[1:]) if h0 is not None else ((), refs)
-        t_refs, refs = (refs[:1], refs[1:]) if applies_inverse else ((), refs)
+        h0_refs, refs = optional_refs(refs, h0 is not None)
+        t_refs, refs = optional_refs(refs, applies_inverse)
         o_ref, fin_ref, *refs = refs
         (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
         (qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done,
@@ -153,8 +153,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
                                    interpret=interpret)
 
             fetch(0, 0)
-            s0 = (load(h0_refs[0].at[bi, hi, :, cols]) if h0_refs
-                  else plgpu.layout_cast(jnp.zeros((dk, bv), F32), WG))
+            s0 = load(h0_refs[0].at[bi, hi, :, cols]) if h0_refs else zeros((dk, bv))
             s = lax.fori_loop(0, nc, step, s0)
             fin_ref.at[bi, hi, :, cols][...] = s
             for n in range(max(nc - depth, 0), nc):  # observe the outputs' last arrivals
@@ -209,5 +208,4 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     name = "kda_state_fwd_applying_inverse" if applies_inverse else "kda_state_fwd"
     run = kernel(body, name, interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
-    return run(qg, kg, w, u, aqk, gamma, *(() if h0 is None else (h0,)),
-               *(() if inverse is None else (inverse,)))
+    return run(qg, kg, w, u, aqk, gamma, *(x for x in (h0, inverse) if x is not None))
