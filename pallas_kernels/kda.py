@@ -50,7 +50,7 @@ INVERSE_CHAINS = 8
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save"))
+_state_fwd_jit = shared_lowering(state_fwd, ("chunk_size", "save", "keep_final"))
 _state_bwd_jit = shared_lowering(state_bwd, ("chunk_size", "initial_grad"))
 
 
@@ -63,15 +63,14 @@ def _state_pass(qg, kg, w, u, aqk, gamma, h0, chunk_size, keep_final, interpret)
     """The state kernels: ``(o, final)``, ``final`` None unless ``keep_final`` (then the backward
     has no cotangent of it to read); ``h0`` None for a zero initial state. ``qg, kg, w, aqk``
     bf16 (their cotangents come back bf16), the rest fp32."""
-    o, final = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, save=False,
-                              interpret=interpret)
-    return o, (final if keep_final else None)
+    return _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size, save=False,
+                          keep_final=keep_final, interpret=interpret)
 
 
 def _state_pass_fwd(qg, kg, w, u, aqk, gamma, h0, chunk_size, keep_final, interpret):
     o, final, states, vt = _state_fwd_jit(qg, kg, w, u, aqk, gamma, h0, chunk_size=chunk_size,
-                                          interpret=interpret)
-    return (o, final if keep_final else None), (qg, kg, w, aqk, gamma, states, vt, h0)
+                                          keep_final=keep_final, interpret=interpret)
+    return (o, final), (qg, kg, w, aqk, gamma, states, vt, h0)
 
 
 def _state_pass_bwd(chunk_size, keep_final, interpret, res, cts):
@@ -155,9 +154,8 @@ def _kda_applying_inverse(q, k, v, g, beta, h0, segment_ids, scale, keep_final, 
     differentiated call takes the other path)."""
     p, inverse = prepare_applying_inverse(q, k, v, g, beta, scale=scale, chunk_size=CHUNK,
                                           segment_ids=segment_ids, interpret=interpret)
-    o, final = _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
-                              save=False, inverse=inverse, interpret=interpret)
-    return o, (final if keep_final else None)
+    return _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
+                          save=False, keep_final=keep_final, inverse=inverse, interpret=interpret)
 
 
 def _applying_inverse_fwd(q, k, v, g, beta, h0, segment_ids, scale, keep_final, interpret):

@@ -68,9 +68,11 @@ def operand_tiles(shape: tuple[int, ...], bv: int) -> plgpu.SMEM:
 
 
 def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = True,
-              block_v: int | None = None, inverse=None, interpret: bool = False):
+              keep_final: bool = True, block_v: int | None = None, inverse=None,
+              interpret: bool = False):
     """Run the forward state pass; ``save=False`` (no backward to follow) skips the two outputs
-    kept for it; ``block_v``: the value tile (default :func:`value_tile`).
+    kept for it, ``keep_final=False`` (nobody reads it) the final state; ``block_v``: the value
+    tile (default :func:`value_tile`).
 
     Args:
       qg, kg, w: ``[B, H, Tp, K]`` bf16.  u: ``[B, H, Tp, V]`` fp32.  aqk: ``[B, H, Tp, C]`` bf16.
@@ -83,8 +85,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
         written, for one more product on the serial chain.
 
     Returns:
-      ``(o [B, Tp, H, V] bf16, final [B, H, K, V] fp32, states [B, H, NC, K, V] bf16,
-      vt [B, H, Tp, V] bf16)``, the last two only with ``save``.
+      ``(o [B, Tp, H, V] bf16, final [B, H, K, V] fp32 (None without ``keep_final``),
+      states [B, H, NC, K, V] bf16, vt [B, H, Tp, V] bf16)``, the last two only with ``save``.
     """
     b, h, tp, dk = qg.shape
     dv, c = u.shape[-1], chunk_size
@@ -94,7 +96,7 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     if applies_inverse and save:
         raise ValueError("state_fwd: inverse is for a forward without backward (save=False)")
     out_type = (jax.ShapeDtypeStruct((b, tp, h, dv), BF16),
-                jax.ShapeDtypeStruct((b, h, dk, dv), F32))
+                *[jax.ShapeDtypeStruct((b, h, dk, dv), F32)] * keep_final)
     if save:
         out_type += (jax.ShapeDtypeStruct((b, h, nc, dk, dv), BF16),
                      jax.ShapeDtypeStruct((b, h, tp, dv), BF16))
@@ -102,7 +104,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     def body(qg_ref, kg_ref, w_ref, u_ref, a_ref, gam_ref, *refs):
         h0_refs, refs = optional_refs(refs, h0 is not None)
         t_refs, refs = optional_refs(refs, applies_inverse)
-        o_ref, fin_ref, *refs = refs
+        o_ref, *refs = refs
+        fin_refs, refs = optional_refs(refs, keep_final)
         (st_ref, vt_ref), refs = (refs[:2], refs[2:]) if save else ((None, None), refs)
         (qg_s, kg_s, w_s, u_s, a_s, gam_s, s_s, vt_s, o_s, state_in, out_in, ready, free, done,
          *t_s) = refs
@@ -155,7 +158,8 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
             fetch(0, 0)
             s0 = load(h0_refs[0].at[bi, hi, :, cols]) if h0_refs else zeros((dk, bv))
             s = lax.fori_loop(0, nc, step, s0)
-            fin_ref.at[bi, hi, :, cols][...] = s
+            for fin_ref in fin_refs:
+                fin_ref.at[bi, hi, :, cols][...] = s
             for n in range(max(nc - depth, 0), nc):  # observe the outputs' last arrivals
                 plgpu.barrier_wait(free.at[n % depth])
             plgpu.wait_smem_to_gmem(0)
@@ -208,4 +212,5 @@ def state_fwd(qg, kg, w, u, aqk, gamma, h0, *, chunk_size: int, save: bool = Tru
     name = "kda_state_fwd_applying_inverse" if applies_inverse else "kda_state_fwd"
     run = kernel(body, name, interpret, out_type=out_type, grid=(dv // bv, h, b),
                  grid_names=("v", "h", "b"), num_threads=2, thread_name="wg", scratch_types=scratch)
-    return run(qg, kg, w, u, aqk, gamma, *(x for x in (h0, inverse) if x is not None))
+    out = run(qg, kg, w, u, aqk, gamma, *(x for x in (h0, inverse) if x is not None))
+    return out if keep_final else (out[0], None, *out[1:])
