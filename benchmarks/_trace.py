@@ -45,8 +45,8 @@ class Instr:
     # Bytes of its operands and results: what one run of the instruction moves, reading each
     # operand once (an upper bound for one that reads a slice of an operand).
     bytes: int = 0
-    # A fusion's computation with names and metadata left out: XLA compiles fusions of equal
-    # code into one kernel, named after the first of them.
+    # A fusion's module and computation, names and metadata left out: XLA compiles fusions of
+    # equal code in one module into one kernel, named after the first of them.
     code: str | None = None
 
 
@@ -147,10 +147,11 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Instr]]:
                                  _field(r'op_name="([^"]*)"', rest) or "",
                                  code=_field(r"calls=%?([^\s,]+)", rest)),
                            _array_bytes(rest[:op.start(1)]), operands)
+    memos: dict[str, dict[str, str]] = collections.defaultdict(dict)  # a module's codes
     return {name: {i: dataclasses.replace(
                        instr, bytes=own + sum(parsed[o][1] for o in operands if o in parsed),
                        code=(None if instr.opcode != "fusion" or instr.code is None else
-                             _code(instr.code, bodies[name], {})))
+                             f"{name}\n{_code(instr.code, bodies[name], memos[name])}"))
                    for i, (instr, own, operands) in parsed.items()}
             for name, parsed in modules.items() if parsed}
 
@@ -160,7 +161,6 @@ def _code(computation: str, bodies: dict[str, list[str]], memo: dict[str, str]) 
     computation they call (a fusion's, a reduction's reducer) in place of its name: reductions
     by ``add`` and by ``max`` are different code."""
     if computation not in memo:
-        memo[computation] = computation  # a cycle (none in HLO) reads as the name
         lines = []
         for rest in bodies.get(computation, [computation]):
             called = [_code(c, bodies, memo) for c in _CALLED.findall(rest)]
@@ -171,20 +171,18 @@ def _code(computation: str, bodies: dict[str, list[str]], memo: dict[str, str]) 
 
 
 def instructions_of(kernel: Kernel, modules: dict[str, dict[str, Instr]],
-                    kernel_names: set[str], by_code: dict | None = None) -> list[Instr]:
+                    kernel_names: set[str], by_code: dict[str, list[tuple[str, Instr]]]
+                    ) -> list[Instr]:
     """The instructions ``kernel`` may have run: :func:`instruction_of`'s, and where that is a
     fusion found by the kernel's name (inside a command buffer) and the first of its code whose
     kernel ran, also the fusions of equal code whose own kernels never ran (``kernel_names``:
     every kernel name of the trace): XLA compiled those into this kernel, so its runs are theirs
-    too, one each a step. Empty when unknown.
-    ``by_code``: :func:`fusions_by_code` of ``modules``, when already made."""
+    too, one each a step. Empty when unknown. ``by_code``: :func:`fusions_by_code` of
+    ``modules``."""
     instr = instruction_of(kernel, modules)
     if instr is None or instr.code is None or kernel.hlo_op in modules.get(kernel.module, {}):
         return [] if instr is None else [instr]
-    by_code = fusions_by_code(modules) if by_code is None else by_code
-    module = next(m for m, table in modules.items() if any(i is instr for i in table.values())
-                  ) if kernel.module not in modules else kernel.module
-    equal = by_code[module, instr.code]
+    equal = by_code[instr.code]
     ran = [other for name, other in equal if _kernel_name(name) in kernel_names]
     if ran and ran[0] is not instr:  # the kernel is named after the first fusion it runs
         return [instr]
@@ -192,14 +190,13 @@ def instructions_of(kernel: Kernel, modules: dict[str, dict[str, Instr]],
                       if other is not instr and _kernel_name(name) not in kernel_names]
 
 
-def fusions_by_code(modules: dict[str, dict[str, Instr]]
-                    ) -> dict[tuple[str, str], list[tuple[str, Instr]]]:
-    """``{(module, code): [(name, Instr)]}`` of the fusions of ``modules``."""
-    out: dict[tuple[str, str], list[tuple[str, Instr]]] = collections.defaultdict(list)
-    for module, table in modules.items():
+def fusions_by_code(modules: dict[str, dict[str, Instr]]) -> dict[str, list[tuple[str, Instr]]]:
+    """``{code: [(name, Instr)]}`` of the fusions of ``modules``, in their text's order."""
+    out: dict[str, list[tuple[str, Instr]]] = collections.defaultdict(list)
+    for table in modules.values():
         for name, instr in table.items():
             if instr.code is not None:
-                out[module, instr.code].append((name, instr))
+                out[instr.code].append((name, instr))
     return out
 
 
