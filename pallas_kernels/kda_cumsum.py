@@ -13,10 +13,19 @@ layout. Both are raw kernels:
 :func:`pallas_kernels.kda_scores.gated_scores` joins them under its VJP. (XLA's cumsum is an
 associative scan on the GPU, and a triangular fp32 einsum needs transposes around an FFMA GEMM.)
 
+With a ``lower_bound`` the kernels also apply K3's gate (math §3.1 step 4): the forward reads the
+gate's logits ``z`` and sums ``g = lower_bound * sigmoid(z)`` as it loads them, and the reverse
+multiplies its sums by ``dg/dz`` on their way out (it reads ``z`` beside the cotangent), so the
+fp32 log-decay and its gradient never travel through memory on their own (an XLA fusion wrote
+``g`` from ``z`` and another ``dz`` from ``dg``: a read and a write of a ``[B, T, H, K]`` fp32
+array each, per layer and direction).
+
 Reference: ``jnp.cumsum`` over each chunk (:func:`chunk_cumsum_reference`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -50,9 +59,28 @@ def _chunk_rows(dk: int, reverse: bool):
     return pl.ds(0 if reverse else _lanes(dk) - 1, CHUNK)
 
 
-def _running_sums(x_s, reverse: bool) -> None:
+def _sigmoid(z):
+    return 1.0 / (1.0 + jnp.exp(-z))  # 0 at z = -inf, the padding's logits
+
+
+def _bounded_gate(z, lower_bound: float):
+    """K3's log-decay from its logits (math §3.1 step 4), as the kernels evaluate it:
+    ``lower_bound * sigmoid(z)`` (reference: :func:`k3jax.ops.kda_gate.bounded_gate`)."""
+    return lower_bound * _sigmoid(z)
+
+
+def _bounded_gate_slope(z, lower_bound: float):
+    """``d _bounded_gate / dz = lower_bound * s (1 - s)``, ``s = sigmoid(z)``."""
+    s = _sigmoid(z)
+    return lower_bound * s * (1.0 - s)
+
+
+def _running_sums(x_s, reverse: bool, gate=None, slopes_s=None) -> None:
     """In place, each column of the chunk in ``x_s`` (:func:`_scratch`'s buffer, fp32) summed down
-    its rows (up them with ``reverse``), in fp32, token after token.
+    its rows (up them with ``reverse``), in fp32, token after token. ``gate`` maps each value as
+    it is loaded (the forward's gate of its logits); with ``slopes_s`` (a buffer like ``x_s``
+    holding the logits, and ``gate`` then the slope of the gate) each sum is stored times the
+    slope at its row instead (the reverse's ``dz``).
 
     One thread a column: a step loads ``128 // K`` consecutive rows at once, one value a thread.
     At ``K = 64`` the second row's threads run the same sums one row ahead, so each value is
@@ -61,18 +89,23 @@ def _running_sums(x_s, reverse: bool) -> None:
     then the chain of adds; at ``K = 64`` a barrier between them, as the lagging threads read rows
     the leading ones write (at ``K = 128`` each thread reads and writes its own column only)."""
     lanes = _lanes(x_s.shape[-1])
-    steps = range(CHUNK)
-    views = [x_s.at[pl.ds(i, lanes)] for i in (reversed(steps) if reverse else steps)]
+    steps = list(reversed(range(CHUNK)) if reverse else range(CHUNK))
+    views = [x_s.at[pl.ds(i, lanes)] for i in steps]
     values = [view[...] for view in views]
+    scales = [None] * len(views)
+    if slopes_s is not None:
+        scales = [gate(slopes_s.at[pl.ds(i, lanes)][...]) for i in steps]
+    elif gate is not None:
+        values = [gate(value) for value in values]
     if lanes > 1:
         lane = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, values[0].shape, 0),
                                  plgpu.Layout.WG_STRIDED(values[0].shape, 1))
         values[0] = jnp.where(lane == (lanes - 1 if reverse else 0), 0.0, values[0])
         plgpu.commit_smem()
     acc = None
-    for view, value in zip(views, values):
+    for view, value, scale in zip(views, values, scales):
         acc = value if acc is None else acc + value
-        view[...] = acc
+        view[...] = acc if scale is None else acc * scale
 
 
 def _this_chunk():
@@ -86,32 +119,43 @@ def _scratch(dk):
     return plgpu.SMEM((CHUNK + _lanes(dk) - 1, dk), F32), plgpu.Barrier(num_arrivals=1)
 
 
-def _reverse_call(dg_cum, *, interpret: bool):
-    """The sums of ``dG`` up each chunk: ``[B, H, Tp, K]`` -> ``[B, Tp, H, K]``, fp32."""
+def _reverse_call(dg_cum, *logits, lower_bound: float | None, interpret: bool):
+    """The sums of ``dG`` up each chunk: ``[B, H, Tp, K]`` -> ``[B, Tp, H, K]``, fp32; with
+    ``lower_bound``, times the gate's slope at ``logits`` (``[B, Tp, H, K]`` fp32): ``dz``."""
     nb, h, tp, dk = dg_cum.shape
+    rows = _chunk_rows(dk, reverse=True)
 
-    def body(x_ref, o_ref, x_s, bar):
+    def body(x_ref, *refs):
+        (*z_ref, o_ref), (x_s, bar, *z_s) = refs[:len(logits) + 1], refs[len(logits) + 1:]
         bi, hi, _, tok = _this_chunk()
-        chunk = x_s.at[_chunk_rows(dk, reverse=True)]
+        chunk = x_s.at[rows]
         plgpu.copy_gmem_to_smem(x_ref.at[bi, hi, tok], chunk, bar)
+        for src, dst in zip(z_ref, z_s):
+            plgpu.copy_gmem_to_smem(src.at[bi, tok, hi], dst.at[rows], bar)
         plgpu.barrier_wait(bar)
-        _running_sums(x_s, reverse=True)
+        slope = None if lower_bound is None else functools.partial(_bounded_gate_slope,
+                                                                   lower_bound=lower_bound)
+        _running_sums(x_s, reverse=True, gate=slope, slopes_s=z_s[0] if z_s else None)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(chunk, o_ref.at[bi, tok, hi])
         plgpu.wait_smem_to_gmem(0)
 
-    run = kernel(body, "kda_cumsum_bwd", interpret,
+    chunk_s, _ = _scratch(dk)
+    scratch = (chunk_s, plgpu.Barrier(num_arrivals=1 + len(logits)), *(chunk_s for _ in logits))
+    run = kernel(body, "kda_cumsum_bwd", interpret, approx_math=True,
                  out_type=jax.ShapeDtypeStruct((nb, tp, h, dk), F32),
-                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=_scratch(dk))
-    return run(dg_cum)
+                 grid=(tp // CHUNK, h, nb), grid_names=("n", "h", "b"), scratch_types=scratch)
+    return run(dg_cum, *logits)
 
 
-def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
+def _cumsum_gates_call(g, q, k, masks, *, scale: float, lower_bound: float | None,
+                       interpret: bool):
     """The cumsum that also writes the gated operands (:mod:`pallas_kernels.kda_gates`) while it
     holds ``G``: ``(G [B, H, Tp, K] fp32, Qg, Kg, Xk [B, H, Tp, K] bf16, gamma [B, H, NC, K] fp32,
-    bounded [B, H, NC, K] fp32)`` from ``g [B, Tp, H, K]`` fp32 and ``q, k [B, Tp, H, K]`` bf16;
-    ``bounded`` is :func:`~pallas_kernels.kda_gates.bounded_channels` per chunk; ``masks``: ``()``
-    or ``(seg, enter, leave)``.
+    bounded [B, H, NC, K] fp32)`` from ``g [B, Tp, H, K]`` fp32 (the gate's logits with a
+    ``lower_bound``) and ``q, k [B, Tp, H, K]`` bf16; ``bounded`` is
+    :func:`~pallas_kernels.kda_gates.bounded_channels` per chunk; ``masks``: ``()`` or
+    ``(seg, enter, leave)``.
 
     Every operand comes in and every product goes out by TMA: ``q`` and ``k`` arrive while the
     cumsum runs, and ``Qg``, ``Kg`` are written over the tiles they were made from (80 KB of SMEM
@@ -135,7 +179,9 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
             for i, src in enumerate((q_ref, k_ref)):
                 plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qkx_s.at[i, t], qk_bar)
         plgpu.barrier_wait(bar)
-        _running_sums(x_s, reverse=False)  # g is spent: G takes its place
+        gate = None if lower_bound is None else functools.partial(_bounded_gate,
+                                                                  lower_bound=lower_bound)
+        _running_sums(x_s, reverse=False, gate=gate)  # g is spent: G takes its place
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(chunk, gc_ref.at[bi, hi, tok])
         plgpu.barrier_wait(qk_bar)
@@ -164,22 +210,32 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, interpret: bool):
     return run(g, q, k, *masks)
 
 
-_reverse_jit = shared_lowering(_reverse_call, ())
-_cumsum_gates_jit = shared_lowering(_cumsum_gates_call, ("scale",))
+_reverse_jit = shared_lowering(_reverse_call, ("lower_bound",))
+_cumsum_gates_jit = shared_lowering(_cumsum_gates_call, ("scale", "lower_bound"))
 
 
-def cumsum_and_gates(g, q, k, masks=(), *, scale: float, interpret: bool = False):
+def cumsum_and_gates(g, q, k, masks=(), *, scale: float, lower_bound: float | None = None,
+                     interpret: bool = False):
     """Raw forward of the cumsum with the gated operands (:func:`_cumsum_gates_call`; no VJP of its
     own: :func:`pallas_kernels.kda_scores.gated_scores` owns the chain rule):
     ``(G, Qg, Kg, Xk, gamma, flags)`` with ``flags [B, H, NC]`` int32, equal to
-    :func:`~pallas_kernels.kda_gates.bounded_chunks` of ``G``."""
-    *outs, ok = _cumsum_gates_jit(g, q, k, tuple(masks), scale=scale, interpret=interpret)
+    :func:`~pallas_kernels.kda_gates.bounded_chunks` of ``G``. With ``lower_bound``, ``g`` holds
+    the gate's logits and ``G`` sums ``lower_bound * sigmoid`` of them."""
+    *outs, ok = _cumsum_gates_jit(g, q, k, tuple(masks), scale=scale, lower_bound=lower_bound,
+                                  interpret=interpret)
     return (*outs, jnp.min(ok, axis=-1).astype(jnp.int32))
 
 
-def reverse_cumsum(dg_cum, *, interpret: bool = False):
-    """The cumsum's VJP: ``[B, H, Tp, K]`` head-major -> ``[B, Tp, H, K]`` (fp32)."""
-    return _reverse_jit(dg_cum.astype(F32), interpret=interpret)
+def reverse_cumsum(dg_cum, logits=None, *, lower_bound: float | None = None,
+                   interpret: bool = False):
+    """The cumsum's VJP: ``[B, H, Tp, K]`` head-major -> ``[B, Tp, H, K]`` (fp32); with
+    ``lower_bound``, through ``lower_bound * sigmoid`` too, at ``logits`` (the forward's ``g``)."""
+    if (lower_bound is None) != (logits is None):
+        raise ValueError("reverse_cumsum: logits and lower_bound go together, got "
+                         f"logits={'given' if logits is not None else None}, "
+                         f"lower_bound={lower_bound}")
+    extra = () if logits is None else (logits.astype(F32),)
+    return _reverse_jit(dg_cum.astype(F32), *extra, lower_bound=lower_bound, interpret=interpret)
 
 
 def chunk_cumsum_reference(g):

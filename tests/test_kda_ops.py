@@ -272,6 +272,27 @@ def _fake_pallas(supported, calls):
                                  supports=lambda *a, **kw: supported)
 
 
+def test_gate_logits_take_the_lower_bound_gate():
+    """``gate_lower_bound``: on the chunked path the op on K3's gate logits ``z`` is the
+    recurrence on ``bounded_gate(z)`` (= ``-5 sigmoid(z)``), values and the logits' gradient within
+    FP32_TOL."""
+    (q, k, v, g, beta, _), _ = make_inputs(9, 1, 40, gate="lower_bound")
+    z = jnp.asarray(np.random.default_rng(9).standard_normal(g.shape) * 3.0, jnp.float32)
+
+    @jax.jit
+    def values_and_dz(z):
+        on_logits = lambda z: kda(q, k, v, z, beta, gate_lower_bound=-5.0,  # noqa: E731
+                                  chunk_size=CHUNK, impl="chunked")[0]
+        on_gate = lambda z: kda_reference(q, k, v, -5.0 * jax.nn.sigmoid(z), beta,  # noqa: E731
+                                          scale=DK**-0.5)[0]
+        return [jax.value_and_grad(lambda z: jnp.sum(jnp.sin(f(z))))(z)
+                for f in (on_logits, on_gate)]
+
+    (got, got_dz), (want, want_dz) = values_and_dz(z)
+    assert_close("loss", want, got, FP32_TOL)
+    assert_close("dz", want_dz, got_dz, FP32_TOL)
+
+
 def test_dispatch_is_fail_closed(monkeypatch):
     """Which path runs, with the real paths replaced by recorders (no computation). The op's
     compiled programs are dropped before each call, so every call traces, i.e. calls a recorder."""
@@ -296,7 +317,7 @@ def test_dispatch_is_fail_closed(monkeypatch):
     kda(q, k, v, g, beta, output_final_state=True)       # the kernel accepts it
     assert path() == "pallas"
     assert set(calls[-1][1]) == {"scale", "initial_state", "output_final_state", "segment_ids",
-                                 "chunk_size"}
+                                 "chunk_size", "gate_lower_bound"}
 
     def missing():
         raise ImportError("No module named 'pallas_kernels.kda'")
@@ -336,6 +357,8 @@ GOOD = dict(q=Q, k=Q, v=V_, g=Q, beta=BETA)
     (dict(scale=float("inf")), "scale"),
     (dict(output_final_state=1), "output_final_state"),
     (dict(use_qk_l2norm=1), "use_qk_l2norm"),
+    (dict(gate_lower_bound=5.0), "gate_lower_bound"),            # a bound is negative
+    (dict(gate_lower_bound=True), "gate_lower_bound"),
 ])
 def test_validation_names_the_argument(change, argument):
     kw = {**GOOD, **change}

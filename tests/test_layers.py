@@ -13,8 +13,9 @@ import pytest
 from helpers import documents_of, small_config
 
 from k3jax.layers.cache_context import CacheContext
-from k3jax.layers.kda import KDALayer, kda_gate
+from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import MLALayer
+from k3jax.ops.kda_gate import kda_gate
 from k3jax.ops.rms_norm import rms_norm
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
 from k3jax.ops.tolerance import FP32_TOL, rel_rms

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case, kda_fp32_case
 
+from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import (
     BF16_GRAD_GATE_TOL,
@@ -57,17 +58,22 @@ def _values_and_grads(fn, args, do, dfin):
     return jax.jit(run)(args, do, dfin)
 
 
-def _check_all(args, seg, do, dfin, inputs=_bf16):
+def _check_all(args, seg, do, dfin, inputs=_bf16, gate_lower_bound=None):
     """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
     reference: values and all six gradients within math §10's bf16 tolerances, o in the inputs'
-    dtype and every gradient in its argument's."""
+    dtype and every gradient in its argument's. With ``gate_lower_bound`` the fourth argument is
+    the gate's logits: the reference takes :func:`bounded_gate` of them."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
-    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, g, beta, scale=scale,
+    gate = (lambda g: g) if gate_lower_bound is None else functools.partial(  # noqa: E731
+        bounded_gate, lower_bound=gate_lower_bound)
+    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, gate(g), beta, scale=scale,
                                                      initial_state=h0, segment_ids=seg)
     ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta,
                                                   scale=scale, initial_state=h0, segment_ids=seg,
-                                                  output_final_state=True, interpret=True)
+                                                  output_final_state=True,
+                                                  gate_lower_bound=gate_lower_bound,
+                                                  interpret=True)
     (ro, rf), rg = _values_and_grads(ref, args, do, dfin)
     (o, f), kg = _values_and_grads(ker, args, do, dfin)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
@@ -316,6 +322,19 @@ def test_kda_pallas_values_and_gradients(gate, segments):
     args, do, dfin = _bf16_case(2, 1, 90, 1, 64, 64, gate)
     seg = jnp.array([[0] * 30 + [1] * 45 + [2] * 15]) if segments else None
     _check_all(args, seg, do, dfin)
+
+
+def test_kda_pallas_takes_the_gate_logits():
+    """``gate_lower_bound``: the op takes K3's gate logits ``z`` and its cumsum kernels form the
+    log-decay from them (and the reverse cumsum returns ``dz``): values and all six gradients,
+    the logits' among them, against the recurrence on :func:`bounded_gate` of ``z``; T = 90 padded
+    to 128 (padding logits of -inf: no decay, so the final state against the reference's checks
+    them) and packed segments."""
+    args, do, dfin = _bf16_case(3, 1, 90, 1, 64, 64, "lower_bound")
+    # spread as the case's own (its log-decays are -5 sigmoid of standard normal logits)
+    logits = jax.jit(lambda key: jax.random.normal(key, args[3].shape))(jax.random.PRNGKey(11))
+    seg = jnp.array([[0] * 50 + [1] * 40])
+    _check_all((*args[:3], logits, *args[4:]), seg, do, dfin, gate_lower_bound=-5.0)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from pallas_kernels import kda_cumsum
 from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
@@ -53,6 +54,34 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk, interpret):
     np.testing.assert_array_equal(back, upward.reshape(g.shape))
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreter"), ON_GPU])
+@pytest.mark.parametrize("dk", [64, 128])
+def test_cumsum_and_its_reverse_through_the_bounded_gate(dk, interpret):
+    """With a ``lower_bound`` the forward takes the gate's logits ``z`` and sums
+    ``lower_bound * sigmoid(z)``, and the reverse (given ``z``) returns ``dz``: against the fp32
+    sequential cumsum of :func:`bounded_gate` and its VJP (autodiff through the gate), within
+    FP32_TOL (the kernels' ``exp`` is the fast approximate one); in the interpreter and, where
+    there is one, compiled for the GPU."""
+    bound = -5.0
+
+    @jax.jit
+    def reference(key):
+        kz, kq, kc = jax.random.split(key, 3)
+        z = 3.0 * jax.random.normal(kz, (2, 128, 3, dk))
+        qk = jax.random.normal(kq, z.shape).astype(jnp.bfloat16)
+        ref, ref_vjp = jax.vjp(lambda z: chunk_cumsum_reference(bounded_gate(z, bound)), z)
+        ct = jax.random.normal(kc, ref.shape)
+        return z, qk, ref, ct, ref_vjp(ct)[0]
+
+    z, qk, ref, ct, ref_dz = reference(jax.random.PRNGKey(2))
+    out = jax.jit(lambda z, qk: cumsum_and_gates(z, qk, qk, scale=1.0, lower_bound=bound,
+                                                 interpret=interpret)[0])(z, qk)
+    assert rel_rms(ref, out) <= FP32_TOL
+    dz = jax.jit(lambda ct, z: reverse_cumsum(ct, z, lower_bound=bound, interpret=interpret))(
+        ct, z)
+    assert dz.shape == z.shape and rel_rms(ref_dz, dz) <= FP32_TOL
+
+
 @pytest.mark.parametrize("dk", [64, 128])
 def test_bounded_flags_match_their_reference_on_both_sides_of_the_bound(dk):
     """The kernel's per-chunk flags (the scores' fast path) equal ``bounded_chunks`` of the
@@ -78,11 +107,18 @@ def test_bounded_flags_match_their_reference_on_both_sides_of_the_bound(dk):
 @pytest.mark.parametrize("dk", [64, 128])
 def test_kernels_lower_for_cuda(dk):
     """Both kernels pass Mosaic GPU's lowering for an sm_90 target (at K = 64 the running sums
-    load two rows a step)."""
+    load two rows a step), with and without K3's gate."""
     fwd_in = jax.ShapeDtypeStruct((1, 256, 2, dk), jnp.float32)
     qk = jax.ShapeDtypeStruct((1, 256, 2, dk), jnp.bfloat16)
     bwd_in = jax.ShapeDtypeStruct((1, 2, 256, dk), jnp.float32)
-    fwd = jax.jit(kda_cumsum._cumsum_gates_call, static_argnames=("scale", "interpret"))
-    fwd.trace(fwd_in, qk, qk, (), scale=1.0, interpret=False).lower(lowering_platforms=("cuda",))
-    bwd = jax.jit(kda_cumsum._reverse_call, static_argnames=("interpret",))
-    bwd.trace(bwd_in, interpret=False).lower(lowering_platforms=("cuda",))
+    fwd = jax.jit(kda_cumsum._cumsum_gates_call,
+                  static_argnames=("scale", "lower_bound", "interpret"))
+    fwd.trace(fwd_in, qk, qk, (), scale=1.0, lower_bound=None, interpret=False).lower(
+        lowering_platforms=("cuda",))
+    bwd = jax.jit(kda_cumsum._reverse_call, static_argnames=("lower_bound", "interpret"))
+    bwd.trace(bwd_in, lower_bound=None, interpret=False).lower(lowering_platforms=("cuda",))
+    # K3's gate: the forward on its logits, the reverse reading them
+    fwd.trace(fwd_in, qk, qk, (), scale=1.0, lower_bound=-5.0, interpret=False).lower(
+        lowering_platforms=("cuda",))
+    bwd.trace(bwd_in, fwd_in, lower_bound=-5.0, interpret=False).lower(
+        lowering_platforms=("cuda",))

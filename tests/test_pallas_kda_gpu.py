@@ -14,6 +14,7 @@ import pytest
 from helpers import kda_bf16_case, kda_fp32_case
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels.kda import kda_pallas, supports
@@ -96,22 +97,27 @@ def test_repeatable_on_gpu(b):
     assert bool(jnp.array_equal(a, b))
 
 
-@pytest.mark.parametrize("b,h", [(2, 4), (2, 12)])
-def test_without_initial_or_final_state_on_gpu(b, h):
+@pytest.mark.parametrize("b,h,bound", [(2, 4, None), (2, 12, None), (2, 12, -5.0)])
+def test_without_initial_or_final_state_on_gpu(b, h, bound):
     """The training call: no initial state, no final state returned (the state kernels read
     neither, and write no initial-state gradient), at 32-wide value tiles and at 64-wide ones with
-    the forward alone applying the inverse: values and the five gradients against the fp32
-    recurrence within math §10's bf16 tolerances."""
+    the forward alone applying the inverse, and with K3's gate logits (``gate_lower_bound``: the
+    cumsum kernels form the log-decay and return the logits' gradient): values and the five
+    gradients against the fp32 recurrence within math §10's bf16 tolerances."""
     args, do, _ = kda_bf16_case(21 + h, b, 1024, h, 128, 128, "lower_bound")
+    if bound is not None:  # logits in place of the log-decay, spread as the case's own
+        args = (*args[:3], jax.random.normal(jax.random.PRNGKey(h), args[3].shape), *args[4:])
     scale = 128**-0.5
     ker = lambda q, k, v, g, beta: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta,  # noqa: E731
-                                              scale=scale)[0]
-    ref = lambda *a: kda_reference(*a, scale=scale)[0]  # noqa: E731
+                                              scale=scale, gate_lower_bound=bound)[0]
+    gate = (lambda g: g) if bound is None else (lambda z: bounded_gate(z, bound))  # noqa: E731
+    ref = lambda q, k, v, g, beta: kda_reference(q, k, v, gate(g), beta,  # noqa: E731
+                                                 scale=scale)[0]
     loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do)  # noqa: E731
     ro, o = jax.jit(ref)(*args[:5]), jax.jit(ker)(*args[:5])
     rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args[:5])
     kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(5))))(*args[:5])
     assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
     for n, r, x in zip(NAMES, rg, kg):
-        bound = BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL
-        assert rel_rms(r, x) <= bound, (n, rel_rms(r, x))
+        tol = BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL
+        assert rel_rms(r, x) <= tol, (n, rel_rms(r, x))

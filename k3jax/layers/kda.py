@@ -19,6 +19,7 @@ from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
 from k3jax.ops.fp32_projection import fp32_projection
 from k3jax.ops.kda import kda, kda_decode
+from k3jax.ops.kda_gate import bounded_gate, kda_gate
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
 
 
@@ -47,16 +48,6 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
     dt = jnp.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
     dt = jnp.maximum(dt, 1e-4)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-
-def kda_gate(f: jax.Array, a_log: jax.Array, gate: str, lower_bound: float) -> jax.Array:
-    """Log-decay ``g <= 0`` from the gate pre-activation ``f [B, T, H, K]`` and ``A_log [H]``
-    (fp32)."""
-    a = jnp.exp(a_log.astype(jnp.float32))[:, None]  # [H, 1]
-    f = f.astype(jnp.float32)
-    if gate == "softplus":
-        return -a * jax.nn.softplus(f)
-    return lower_bound * jax.nn.sigmoid(a * f)
 
 
 class KDALayer(nn.Module):
@@ -99,15 +90,28 @@ class KDALayer(nn.Module):
     def _heads(self, x):
         return x.reshape(*x.shape[:-1], self.cfg.kda.num_heads, self.cfg.kda.head_dim)
 
-    def _gates(self, x):
-        """Log-decay ``g [..., H, K]`` (fp32) and ``beta [..., H]`` (fp32) from ``x [..., d]``."""
+    @property
+    def _gate_bound(self) -> float | None:
+        """The KDA op's ``gate_lower_bound``: K3's bound for the lower-bound form, else None."""
         k = self.cfg.kda
+        return k.lower_bound if k.gate == "lower_bound" else None
+
+    def _gates(self, x):
+        """``(gate [..., H, K], beta [..., H])`` fp32 from ``x [..., d]``: the gate is the
+        log-decay ``g`` (softplus form) or, under :attr:`_gate_bound`, its logits
+        ``z = exp(A_log) f``, which the KDA op turns into ``g`` where it reads them. ``exp(A_log)``
+        scales the up-projection's columns and ``dt_bias``, so the product writes ``z`` itself."""
+        k, f32 = self.cfg.kda, jnp.float32
         # x's two fp32 projections side by side: one pass over x.
         both = fp32_projection(x, jnp.concatenate([self.w_fa, self.w_beta], axis=1))
-        f = both[..., :k.gate_rank] @ self.w_fb.astype(jnp.float32) + self.dt_bias
-        g = kda_gate(self._heads(f), self.A_log, k.gate, k.lower_bound)
+        low, w_up, bias = both[..., :k.gate_rank], self.w_fb.astype(f32), self.dt_bias
+        if self._gate_bound is None:
+            gate = kda_gate(self._heads(low @ w_up + bias), self.A_log, k.gate, k.lower_bound)
+        else:
+            a = jnp.repeat(jnp.exp(self.A_log.astype(f32)), k.head_dim)  # [H K]
+            gate = self._heads(low @ (w_up * a) + bias * a)
         beta = jax.nn.sigmoid(both[..., k.gate_rank:])
-        return g, (2.0 * beta if k.allow_neg_eigval else beta)
+        return gate, (2.0 * beta if k.allow_neg_eigval else beta)
 
     def _output(self, x, o):
         """``W_o(RMSNorm_head(o) * w * sigmoid(G))`` for ``o [..., H, V]``."""
@@ -133,11 +137,11 @@ class KDALayer(nn.Module):
             convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl,
                                    head_dim))  # q and k come L2-normalised per head
         (q, cq), (kk, ck), (v, cv) = convs
-        g, beta = self._gates(x)
-        o, final = kda(self._heads(q), self._heads(kk), self._heads(v), g, beta,
+        gate, beta = self._gates(x)
+        o, final = kda(self._heads(q), self._heads(kk), self._heads(v), gate, beta,
                        initial_state=None if cache is None else cache.state,
                        output_final_state=return_cache, segment_ids=segment_ids,
-                       chunk_size=k.chunk_size, impl=k.impl)
+                       chunk_size=k.chunk_size, impl=k.impl, gate_lower_bound=self._gate_bound)
         out = self._output(x, o.astype(x.dtype))
         return (out, KDACache(cq, ck, cv, final)) if return_cache else out
 
@@ -151,6 +155,8 @@ class KDALayer(nn.Module):
         kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k, head_dim)
         v, cv = conv_silu_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
         g, beta = self._gates(x)
+        if self._gate_bound is not None:
+            g = bounded_gate(g, self._gate_bound)
         o, state = kda_decode(self._heads(q), self._heads(kk), self._heads(v), g, beta,
                               cache.state)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)

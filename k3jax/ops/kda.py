@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config.model import KDAImpl
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_chunked import kda_chunked
+from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_decode_step, kda_reference
 from k3jax.ops.per_device import on_own_rows
 
@@ -88,6 +89,13 @@ def _check_inputs(fn, q, k, v, g, beta, initial_state, segment_ids, token_axis):
         _check_array(fn, "segment_ids", segment_ids, 2, spec("B", "T"), float_dtype=False)
 
 
+def _check_gate_bound(fn, gate_lower_bound):
+    if gate_lower_bound is not None and (not isinstance(gate_lower_bound, numbers.Real)
+                                         or isinstance(gate_lower_bound, bool)
+                                         or not -math.inf < gate_lower_bound < 0):
+        _fail(fn, "gate_lower_bound", gate_lower_bound, "None or a finite negative real number")
+
+
 def _check_options(fn, scale, use_qk_l2norm, chunk_size=None, impl=None):
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
                               or not 0 < scale < math.inf):
@@ -132,7 +140,7 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 # ---------------------------------------------------------------------------------- public ops
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False):
+        segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False, gate_lower_bound=None):
     """Kimi Delta Attention over whole sequences (math §3.2), FLA layout.
 
     Args:
@@ -147,12 +155,18 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       chunk_size: chunk length ``C`` of the chunked and kernel paths, a power of two >= 16.
       impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"pallas"``.
       use_qk_l2norm: L2-normalise q and k per head first (math §3.1 step 3).
+      gate_lower_bound: None, or the bound of K3's gate (< 0): then ``g`` holds the gate's logits
+        ``z = exp(A_log) f`` and the log-decay is ``gate_lower_bound * sigmoid(z)``
+        (:func:`~k3jax.ops.kda_gate.bounded_gate`), formed inside the op; the kernel path forms
+        it in the kernels that read ``g`` (fla's ``use_gate_in_kernel``), so neither the fp32
+        log-decay nor its gradient makes a trip through memory of its own.
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
     """
     _check_inputs("kda", q, k, v, g, beta, initial_state, segment_ids, token_axis=True)
     _check_options("kda", scale, use_qk_l2norm, chunk_size, impl)
+    _check_gate_bound("kda", gate_lower_bound)
     if not isinstance(output_final_state, bool):
         _fail("kda", "output_final_state", output_final_state, "a bool")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -163,24 +177,28 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     traced = any(isinstance(x, jax.core.Tracer)
                  for x in (q, k, v, g, beta, initial_state, segment_ids))
     run = _kda_path if traced else _kda_compiled
+    bound = None if gate_lower_bound is None else float(gate_lower_bound)
     o, final = run(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
                    chunk_size=chunk_size, output_final_state=output_final_state,
-                   use_qk_l2norm=use_qk_l2norm)
+                   use_qk_l2norm=use_qk_l2norm, gate_lower_bound=bound)
     return o, (final if output_final_state else None)
 
 
 def _kda_path(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chunk_size,
-              output_final_state, use_qk_l2norm):
+              output_final_state, use_qk_l2norm, gate_lower_bound):
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
+    if path == "pallas":
+        return _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
+                                   chunk_size=chunk_size, output_final_state=output_final_state,
+                                   gate_lower_bound=gate_lower_bound)
+    if gate_lower_bound is not None:
+        g = bounded_gate(g, gate_lower_bound)
     if path == "reference":
         return kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              segment_ids=segment_ids)
-    if path == "chunked":
-        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           segment_ids=segment_ids, chunk_size=chunk_size)
-    return _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
-                               chunk_size=chunk_size, output_final_state=output_final_state)
+    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       segment_ids=segment_ids, chunk_size=chunk_size)
 
 
 def _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, **options):
@@ -196,7 +214,8 @@ def _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, **options)
 
 
 _kda_compiled = jax.jit(_kda_path, static_argnames=("path", "scale", "chunk_size",
-                                                    "output_final_state", "use_qk_l2norm"))
+                                                    "output_final_state", "use_qk_l2norm",
+                                                    "gate_lower_bound"))
 
 
 def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
