@@ -25,7 +25,7 @@ Reference: ``jnp.cumsum`` over each chunk (:func:`chunk_cumsum_reference`).
 
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -42,6 +42,7 @@ from pallas_kernels._mgpu import (
     column_tiles,
     kernel,
     load,
+    optional_refs,
     shared_lowering,
     tiles,
 )
@@ -63,24 +64,31 @@ def _sigmoid(z):
     return 1.0 / (1.0 + jnp.exp(-z))  # 0 at z = -inf, the padding's logits
 
 
-def _bounded_gate(z, lower_bound: float):
-    """K3's log-decay from its logits (math §3.1 step 4), as the kernels evaluate it:
-    ``lower_bound * sigmoid(z)`` (reference: :func:`k3jax.ops.kda_gate.bounded_gate`)."""
-    return lower_bound * _sigmoid(z)
+class _Gate(NamedTuple):
+    """K3's gate as the kernels evaluate it: ``lower_bound * sigmoid(z)`` of the logits ``z``
+    (math §3.1 step 4; the reference is :func:`k3jax.ops.kda_gate.bounded_gate`), and its
+    slope ``lower_bound * s (1 - s)``, ``s = sigmoid(z)``."""
+
+    lower_bound: float
+
+    def __call__(self, z):
+        return self.lower_bound * _sigmoid(z)
+
+    def slope(self, z):
+        s = _sigmoid(z)
+        return self.lower_bound * s * (1.0 - s)
 
 
-def _bounded_gate_slope(z, lower_bound: float):
-    """``d _bounded_gate / dz = lower_bound * s (1 - s)``, ``s = sigmoid(z)``."""
-    s = _sigmoid(z)
-    return lower_bound * s * (1.0 - s)
+def _gate(lower_bound: float | None) -> _Gate | None:
+    return None if lower_bound is None else _Gate(lower_bound)
 
 
-def _running_sums(x_s, reverse: bool, gate=None, slopes_s=None) -> None:
+def _running_sums(x_s, reverse: bool, gate: _Gate | None = None, logits_s=None) -> None:
     """In place, each column of the chunk in ``x_s`` (:func:`_scratch`'s buffer, fp32) summed down
-    its rows (up them with ``reverse``), in fp32, token after token. ``gate`` maps each value as
-    it is loaded (the forward's gate of its logits); with ``slopes_s`` (a buffer like ``x_s``
-    holding the logits, and ``gate`` then the slope of the gate) each sum is stored times the
-    slope at its row instead (the reverse's ``dz``).
+    its rows (up them with ``reverse``), in fp32, token after token. With a ``gate`` alone the
+    values are its logits, gated as they are loaded (the forward); with ``logits_s`` too (a
+    buffer like ``x_s`` holding the logits) each sum is stored times the gate's slope at its row
+    (the reverse: ``dz``).
 
     One thread a column: a step loads ``128 // K`` consecutive rows at once, one value a thread.
     At ``K = 64`` the second row's threads run the same sums one row ahead, so each value is
@@ -93,8 +101,8 @@ def _running_sums(x_s, reverse: bool, gate=None, slopes_s=None) -> None:
     views = [x_s.at[pl.ds(i, lanes)] for i in steps]
     values = [view[...] for view in views]
     scales = [None] * len(views)
-    if slopes_s is not None:
-        scales = [gate(slopes_s.at[pl.ds(i, lanes)][...]) for i in steps]
+    if logits_s is not None:
+        scales = [gate.slope(logits_s.at[pl.ds(i, lanes)][...]) for i in steps]
     elif gate is not None:
         values = [gate(value) for value in values]
     if lanes > 1:
@@ -126,16 +134,14 @@ def _reverse_call(dg_cum, *logits, lower_bound: float | None, interpret: bool):
     rows = _chunk_rows(dk, reverse=True)
 
     def body(x_ref, *refs):
-        (*z_ref, o_ref), (x_s, bar, *z_s) = refs[:len(logits) + 1], refs[len(logits) + 1:]
+        z_ref, (o_ref, x_s, bar, *z_s) = optional_refs(refs, bool(logits))
         bi, hi, _, tok = _this_chunk()
         chunk = x_s.at[rows]
         plgpu.copy_gmem_to_smem(x_ref.at[bi, hi, tok], chunk, bar)
         for src, dst in zip(z_ref, z_s):
             plgpu.copy_gmem_to_smem(src.at[bi, tok, hi], dst.at[rows], bar)
         plgpu.barrier_wait(bar)
-        slope = None if lower_bound is None else functools.partial(_bounded_gate_slope,
-                                                                   lower_bound=lower_bound)
-        _running_sums(x_s, reverse=True, gate=slope, slopes_s=z_s[0] if z_s else None)
+        _running_sums(x_s, reverse=True, gate=_gate(lower_bound), logits_s=z_s[0] if z_s else None)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(chunk, o_ref.at[bi, tok, hi])
         plgpu.wait_smem_to_gmem(0)
@@ -179,9 +185,7 @@ def _cumsum_gates_call(g, q, k, masks, *, scale: float, lower_bound: float | Non
             for i, src in enumerate((q_ref, k_ref)):
                 plgpu.copy_gmem_to_smem(src.at[bi, tok, hi, ch], qkx_s.at[i, t], qk_bar)
         plgpu.barrier_wait(bar)
-        gate = None if lower_bound is None else functools.partial(_bounded_gate,
-                                                                  lower_bound=lower_bound)
-        _running_sums(x_s, reverse=False, gate=gate)  # g is spent: G takes its place
+        _running_sums(x_s, reverse=False, gate=_gate(lower_bound))  # g is spent: G in its place
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(chunk, gc_ref.at[bi, hi, tok])
         plgpu.barrier_wait(qk_bar)
