@@ -89,16 +89,18 @@ def _check_inputs(fn, q, k, v, g, beta, initial_state, segment_ids, token_axis):
         _check_array(fn, "segment_ids", segment_ids, 2, spec("B", "T"), float_dtype=False)
 
 
+def _real_between(x, low, high) -> bool:
+    """``x`` is a real number (not a bool) with ``low < x < high``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and low < x < high
+
+
 def _check_gate_bound(fn, gate_lower_bound):
-    if gate_lower_bound is not None and (not isinstance(gate_lower_bound, numbers.Real)
-                                         or isinstance(gate_lower_bound, bool)
-                                         or not -math.inf < gate_lower_bound < 0):
+    if gate_lower_bound is not None and not _real_between(gate_lower_bound, -math.inf, 0):
         _fail(fn, "gate_lower_bound", gate_lower_bound, "None or a finite negative real number")
 
 
 def _check_options(fn, scale, use_qk_l2norm, chunk_size=None, impl=None):
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not 0 < scale < math.inf):
+    if scale is not None and not _real_between(scale, 0, math.inf):
         _fail(fn, "scale", scale, "None or a finite positive real number")
     if not isinstance(use_qk_l2norm, bool):     # it picks the program: a static Python bool
         _fail(fn, "use_qk_l2norm", use_qk_l2norm, "a bool")
