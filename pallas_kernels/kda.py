@@ -114,7 +114,8 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-               segment_ids=None, chunk_size=CHUNK, gate_lower_bound=None, interpret=False):
+               segment_ids=None, chunk_size=CHUNK, gate_lower_bound=None, gate_bias=None,
+               interpret=False):
     """Chunked KDA with Mosaic GPU state kernels, differentiable in every input.
 
     Args:
@@ -125,9 +126,11 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
       output_final_state: return the final state (else ``None``).
       segment_ids: optional integer ``[B, T]``; the state restarts from zero where the id changes.
       chunk_size: the chunk length, only ``CHUNK`` (64).
-      gate_lower_bound: None, or K3's gate bound: then ``g`` holds the gate's logits and the
-        cumsum kernels form the log-decay ``gate_lower_bound * sigmoid(g)`` from them (the
-        gradient of ``g`` is then the logits').
+      gate_lower_bound: None, or K3's gate bound: then ``g`` holds the gate's logits less their
+        bias and the cumsum kernels form the log-decay
+        ``gate_lower_bound * sigmoid(g + gate_bias)`` (the gradient of ``g`` is then the
+        logits').
+      gate_bias: ``[H, K]``, the logits' bias under ``gate_lower_bound`` (zero if None).
       interpret: run the kernels in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -138,39 +141,44 @@ def kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_stat
     h0 = None if initial_state is None else initial_state.astype(jnp.float32)
     op = (_kda_applying_inverse if b * h > INVERSE_CHAINS and v.dtype == jnp.bfloat16
           else _kda_through_wy)
-    bound = None if gate_lower_bound is None else float(gate_lower_bound)
-    o, final = op(q, k, v, g, beta, h0, segment_ids, scale, bound, output_final_state, interpret)
+    bound, bias = None, None
+    if gate_lower_bound is not None:
+        bound = float(gate_lower_bound)
+        bias = (jnp.zeros(g.shape[-2:], jnp.float32) if gate_bias is None
+                else gate_bias.astype(jnp.float32))
+    o, final = op(q, k, v, g, beta, h0, bias, segment_ids, scale, bound, output_final_state,
+                  interpret)
     return o[:, :t].astype(q.dtype), final  # o: bf16 [B, Tp, H, V] from the kernel
 
 
-def _kda_through_wy(q, k, v, g, beta, h0, segment_ids, scale, lower_bound, keep_final,
+def _kda_through_wy(q, k, v, g, beta, h0, bias, segment_ids, scale, lower_bound, keep_final,
                     interpret):
     """``(o [B, Tp, H, V] bf16, final or None)`` through ``W`` and ``U`` (differentiable)."""
     p = prepare(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, segment_ids=segment_ids,
-                lower_bound=lower_bound, interpret=interpret)
+                lower_bound=lower_bound, bias=bias, interpret=interpret)
     return _state_pass(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u, _bf16(p.aqk), p.gamma, h0,
                        CHUNK, keep_final, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda_applying_inverse(q, k, v, g, beta, h0, segment_ids, scale, lower_bound, keep_final,
-                          interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _kda_applying_inverse(q, k, v, g, beta, h0, bias, segment_ids, scale, lower_bound,
+                          keep_final, interpret):
     """:func:`_kda_through_wy`'s values; without a gradient to follow, the state pass applies
     the chunk inverse itself and ``W``, ``U`` are never formed (the backward needs them, so a
     differentiated call takes the other path)."""
     p, inverse = prepare_applying_inverse(q, k, v, g, beta, scale=scale, chunk_size=CHUNK,
                                           segment_ids=segment_ids, lower_bound=lower_bound,
-                                          interpret=interpret)
+                                          bias=bias, interpret=interpret)
     return _state_fwd_jit(p.qg, p.kg, p.w, p.u, p.aqk, p.gamma, h0, chunk_size=CHUNK,
                           save=False, keep_final=keep_final, inverse=inverse, interpret=interpret)
 
 
-def _applying_inverse_fwd(q, k, v, g, beta, h0, segment_ids, scale, lower_bound, keep_final,
-                          interpret):
+def _applying_inverse_fwd(q, k, v, g, beta, h0, bias, segment_ids, scale, lower_bound,
+                          keep_final, interpret):
     through_wy = functools.partial(_kda_through_wy, segment_ids=segment_ids, scale=scale,
                                    lower_bound=lower_bound, keep_final=keep_final,
                                    interpret=interpret)
-    return jax.vjp(through_wy, q, k, v, g, beta, h0)
+    return jax.vjp(through_wy, q, k, v, g, beta, h0, bias)
 
 
 def _applying_inverse_bwd(scale, lower_bound, keep_final, interpret, vjp, cts):

@@ -104,45 +104,45 @@ def _check_chunk(fn: str, chunk_size: int) -> None:
 
 
 def prepare(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None, lower_bound=None,
-            interpret: bool = False) -> Prepared:
+            bias=None, interpret: bool = False) -> Prepared:
     """Token-parallel chunk quantities (module docstring) from FLA-layout inputs, by the kernels.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; any float dtype. ``T`` is
     padded to a multiple of ``chunk_size`` (64) with zero keys, values, queries, beta and gates,
     which leave the state unchanged. The scores kernels take q and k rounded to bf16 (their
     tensor-core operands; K in {64, 128}); v goes to the solve kernel in bf16 or fp32. With
-    ``lower_bound``, ``g`` holds the gate's logits
+    ``lower_bound`` and ``bias``, ``g`` holds the gate's logits less their bias
     (:func:`~pallas_kernels.kda_scores.gated_scores`). ``interpret`` runs the kernels in the CPU
     interpreter.
     """
     _check_chunk("prepare", chunk_size)
-    s, beta = _scores(q, k, g, beta, scale, segment_ids, lower_bound, interpret)
+    s, beta = _scores(q, k, g, beta, scale, segment_ids, lower_bound, bias, interpret)
     v = pad_time(v if v.dtype in (jnp.bfloat16, jnp.float32) else v.astype(jnp.float32), CHUNK)
     w, u = wy(s.akk, beta, s.xk, v, w_dtype=jnp.bfloat16, interpret=interpret)
     return Prepared(qg=s.qg, kg=s.kg, w=w, u=u, aqk=s.aqk, gamma=s.gamma)
 
 
 def prepare_applying_inverse(q, k, v, g, beta, *, scale, chunk_size, segment_ids=None,
-                             lower_bound=None, interpret: bool = False
+                             lower_bound=None, bias=None, interpret: bool = False
                              ) -> tuple[Prepared, jax.Array]:
     """:func:`prepare` for a state pass that applies the chunk inverse itself (forward only):
     ``(Prepared with w = xk and u = v, padded and token-major bf16; T diag(beta))``, the second
     from :func:`~pallas_kernels.kda_solve.scaled_inverse` (see
     :func:`~pallas_kernels.kda_state_fwd.state_fwd`'s ``inverse``). Not differentiable."""
     _check_chunk("prepare_applying_inverse", chunk_size)
-    s, beta = _scores(q, k, g, beta, scale, segment_ids, lower_bound, interpret)
+    s, beta = _scores(q, k, g, beta, scale, segment_ids, lower_bound, bias, interpret)
     v = pad_time(v.astype(jnp.bfloat16), CHUNK)
     inverse = scaled_inverse(s.akk, beta, interpret=interpret)
     return Prepared(qg=s.qg, kg=s.kg, w=s.xk, u=v, aqk=s.aqk, gamma=s.gamma), inverse
 
 
-def _scores(q, k, g, beta, scale, segment_ids, lower_bound, interpret):
+def _scores(q, k, g, beta, scale, segment_ids, lower_bound, bias, interpret):
     """:func:`~pallas_kernels.kda_scores.gated_scores` of the padded inputs, and ``beta``
     padded and head-major ``[B, H, Tp]`` fp32 (tiny: the kernels' layout)."""
     f32, bf16, pad = jnp.float32, jnp.bfloat16, functools.partial(pad_time, multiple=CHUNK)
     s = gated_scores(pad(q.astype(bf16)), pad(k.astype(bf16)), _pad_gate(g, lower_bound),
                      scale=scale, masks=segment_masks(segment_ids, CHUNK),
-                     lower_bound=lower_bound, interpret=interpret)
+                     lower_bound=lower_bound, bias=bias, interpret=interpret)
     return s, jnp.swapaxes(pad(beta.astype(f32)), 1, 2)
 
 

@@ -99,7 +99,12 @@ from pallas_kernels._mgpu import (
     tiles,
     zeros,
 )
-from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
+from pallas_kernels.kda_cumsum import (
+    chunk_cumsum_reference,
+    cumsum_and_gates,
+    reverse_cumsum,
+    reverse_cumsum_through_gate,
+)
 from pallas_kernels.kda_gates import (
     BOUNDED_LG,
     SegmentMasks,
@@ -486,26 +491,29 @@ class GatedScores(NamedTuple):
     gamma: jax.Array  # [B, H, NC, K] fp32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _gated(q, k, g, masks, scale, lower_bound, interpret):
-    return _gated_fwd(q, k, g, masks, scale, lower_bound, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gated(q, k, g, bias, masks, scale, lower_bound, interpret):
+    return _gated_fwd(q, k, g, bias, masks, scale, lower_bound, interpret)[0]
 
 
-def _gated_fwd(q, k, g, masks, scale, lower_bound, interpret):
+def _gated_fwd(q, k, g, bias, masks, scale, lower_bound, interpret):
     g_cum, qg, kg, xk, gamma, flags = cumsum_and_gates(g, q, k, masks, scale=scale,
-                                                       lower_bound=lower_bound,
+                                                       lower_bound=lower_bound, bias=bias,
                                                        interpret=interpret)
     aqk, akk = _fwd_jit(q, k, g_cum, flags, tuple(masks), scale=scale, interpret=interpret)
     logits = None if lower_bound is None else g  # the reverse cumsum's gate slope reads them
-    return GatedScores(aqk, akk, qg, kg, xk, gamma), (q, k, g_cum, logits, masks, flags)
+    return GatedScores(aqk, akk, qg, kg, xk, gamma), (q, k, g_cum, logits, bias, masks, flags)
 
 
 def _gated_bwd(scale, lower_bound, interpret, res, cts):
-    q, k, g_cum, logits, masks, flags = res
+    q, k, g_cum, logits, bias, masks, flags = res
     dq, dk, dg_cum = _bwd_jit(q, k, g_cum, cts.aqk, cts.akk, (cts.qg, cts.kg, cts.xk), cts.gamma,
                               flags, tuple(masks), scale=scale, interpret=interpret)
-    dg = reverse_cumsum(dg_cum, logits, lower_bound=lower_bound, interpret=interpret)
-    return dq, dk, dg, None
+    if lower_bound is None:
+        return dq, dk, reverse_cumsum(dg_cum, interpret=interpret), None, None
+    dz, dbias = reverse_cumsum_through_gate(dg_cum, logits, bias, lower_bound=lower_bound,
+                                            interpret=interpret)
+    return dq, dk, dz, dbias, None
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd)
@@ -533,7 +541,8 @@ def _check(q, k, g, masks):
 
 
 def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
-                 lower_bound: float | None = None, interpret: bool = False) -> GatedScores:
+                 lower_bound: float | None = None, bias=None,
+                 interpret: bool = False) -> GatedScores:
     """KDA's intra-chunk scores and gated operands per chunk of 64 tokens (module docstring).
 
     Args:
@@ -542,9 +551,10 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
       g: ``[B, Tp, H, K]`` fp32 per-token log-decay (``<= 0``); the kernels take its chunk cumsum.
       scale: the attention scale (multiplies ``Aqk`` and ``Qg``).
       masks: packed documents (:class:`pallas_kernels.kda_gates.SegmentMasks`), or None.
-      lower_bound: None, or K3's gate bound: then ``g`` holds the gate's logits ``z`` and the
-        log-decay is ``lower_bound * sigmoid`` of them (the cumsum kernels
-        apply it, and the gradient returned is ``dz``).
+      lower_bound: None, or K3's gate bound: then ``g`` holds the gate's logits ``z`` less their
+        ``bias`` (``[H, K]`` fp32, given with it) and the log-decay is
+        ``lower_bound * sigmoid(z + bias)``: the cumsum kernels apply it, and the gradients
+        returned are those of ``z`` and ``bias``.
       interpret: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns :class:`GatedScores`: ``aqk = scale S(q, k)`` (bf16) and ``akk = S(k, k)`` (fp32, with
@@ -556,7 +566,9 @@ def gated_scores(q, k, g, *, scale: float, masks: SegmentMasks | None = None,
     """
     _check(q, k, g, masks)
     bound = None if lower_bound is None else float(lower_bound)
-    return _gated(q, k, g, masks if masks is not None else (), float(scale), bound, interpret)
+    bias = None if bias is None else bias.astype(F32)
+    return _gated(q, k, g, bias, masks if masks is not None else (), float(scale), bound,
+                  interpret)
 
 
 # --------------------------------------------------------------------------- references

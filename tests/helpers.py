@@ -165,6 +165,21 @@ def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str
     return (q, k, v, bf16_rounded(g), bf16_rounded(beta), h0), do, dfin
 
 
+def gate_bias_grad_error(dz, dbias) -> float:
+    """Relative RMS of a KDA gate bias's gradient ``dbias [H, K]`` against the sum over the tokens
+    of the same call's logit gradient ``dz [B, T, H, K]``, which it is however it is formed.
+
+    Kernels are held to the fp32 recurrence through ``dz`` (math §10's bf16 gate tolerance); the
+    bias's gradient is then checked as that sum (fp32 sums in another order), not against the
+    recurrence's: summed over many tokens, ``dz``'s bf16 roundings stay while its values cancel,
+    so the sum is 10% off the recurrence's at 2 x 256 tokens (kernels' sums and XLA's alike)."""
+    import jax.numpy as jnp
+
+    from k3jax.ops.tolerance import rel_rms
+
+    return rel_rms(jnp.sum(dz.astype(jnp.float32), axis=(0, 1)), dbias)
+
+
 def kda_fp32_case(seed: int, b: int, t: int, h: int, dk: int, dv: int):
     """:func:`kda_bf16_case` (lower-bound gate) with q, k, v moved off the bf16 grid by ~1e-3 noise:
     fp32 inputs that a kernel with bf16 tensor-core operands has to round."""

@@ -273,24 +273,27 @@ def _fake_pallas(supported, calls):
 
 
 def test_gate_logits_take_the_lower_bound_gate():
-    """``gate_lower_bound``: on the chunked path the op on K3's gate logits ``z`` is the
-    recurrence on ``bounded_gate(z)`` (= ``-5 sigmoid(z)``), values and the logits' gradient within
-    FP32_TOL."""
+    """``gate_lower_bound`` and ``gate_bias``: on the chunked path the op on K3's gate logits
+    ``z`` (less their bias ``b``) is the recurrence on ``-5 sigmoid(z + b)``, values and the
+    gradients of ``z`` and ``b`` within FP32_TOL."""
     (q, k, v, g, beta, _), _ = make_inputs(9, 1, 40, gate="lower_bound")
-    z = jnp.asarray(np.random.default_rng(9).standard_normal(g.shape) * 3.0, jnp.float32)
+    rng = np.random.default_rng(9)
+    z = jnp.asarray(rng.standard_normal(g.shape) * 3.0, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(g.shape[2:]), jnp.float32)
 
     @jax.jit
-    def values_and_dz(z):
-        on_logits = lambda z: kda(q, k, v, z, beta, gate_lower_bound=-5.0,  # noqa: E731
-                                  chunk_size=CHUNK, impl="chunked")[0]
-        on_gate = lambda z: kda_reference(q, k, v, -5.0 * jax.nn.sigmoid(z), beta,  # noqa: E731
-                                          scale=DK**-0.5)[0]
-        return [jax.value_and_grad(lambda z: jnp.sum(jnp.sin(f(z))))(z)
+    def values_and_grads(z, b):
+        on_logits = lambda z, b: kda(q, k, v, z, beta, gate_lower_bound=-5.0,  # noqa: E731
+                                     gate_bias=b, chunk_size=CHUNK, impl="chunked")[0]
+        on_gate = lambda z, b: kda_reference(  # noqa: E731
+            q, k, v, -5.0 * jax.nn.sigmoid(z + b), beta, scale=DK**-0.5)[0]
+        return [jax.value_and_grad(lambda z, b: jnp.sum(jnp.sin(f(z, b))), (0, 1))(z, b)
                 for f in (on_logits, on_gate)]
 
-    (got, got_dz), (want, want_dz) = values_and_dz(z)
+    (got, (got_dz, got_db)), (want, (want_dz, want_db)) = values_and_grads(z, b)
     assert_close("loss", want, got, FP32_TOL)
     assert_close("dz", want_dz, got_dz, FP32_TOL)
+    assert_close("dbias", want_db, got_db, FP32_TOL)
 
 
 def test_dispatch_is_fail_closed(monkeypatch):
@@ -317,7 +320,7 @@ def test_dispatch_is_fail_closed(monkeypatch):
     kda(q, k, v, g, beta, output_final_state=True)       # the kernel accepts it
     assert path() == "pallas"
     assert set(calls[-1][1]) == {"scale", "initial_state", "output_final_state", "segment_ids",
-                                 "chunk_size", "gate_lower_bound"}
+                                 "chunk_size", "gate_lower_bound", "gate_bias"}
 
     def missing():
         raise ImportError("No module named 'pallas_kernels.kda'")
@@ -359,6 +362,8 @@ GOOD = dict(q=Q, k=Q, v=V_, g=Q, beta=BETA)
     (dict(use_qk_l2norm=1), "use_qk_l2norm"),
     (dict(gate_lower_bound=5.0), "gate_lower_bound"),            # a bound is negative
     (dict(gate_lower_bound=True), "gate_lower_bound"),
+    (dict(gate_bias=S((H, DK), F32)), "gate_bias"),              # without gate_lower_bound
+    (dict(gate_lower_bound=-5.0, gate_bias=S((H, DK + 1), F32)), "gate_bias.shape"),
 ])
 def test_validation_names_the_argument(change, argument):
     kw = {**GOOD, **change}

@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import bf16_rounded, kda_bf16_case, kda_correlated_keys_case, kda_fp32_case
+from helpers import (
+    bf16_rounded,
+    gate_bias_grad_error,
+    kda_bf16_case,
+    kda_correlated_keys_case,
+    kda_fp32_case,
+)
 
 from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_reference
@@ -58,31 +64,38 @@ def _values_and_grads(fn, args, do, dfin):
     return jax.jit(run)(args, do, dfin)
 
 
-def _check_all(args, seg, do, dfin, inputs=_bf16, gate_lower_bound=None):
+def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
     """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
     reference: values and all six gradients within math §10's bf16 tolerances, o in the inputs'
-    dtype and every gradient in its argument's. With ``gate_lower_bound`` the fourth argument is
-    the gate's logits: the reference takes :func:`bounded_gate` of them."""
+    dtype and every gradient in its argument's. With ``gate_bias`` (``[H, K]``) the fourth
+    argument is K3's gate logits less that bias: the reference takes :func:`bounded_gate` (bound
+    -5) of their sum, and the bias's gradient is checked as the sum of the logits' gradient
+    (:func:`helpers.gate_bias_grad_error`)."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
-    gate = (lambda g: g) if gate_lower_bound is None else functools.partial(  # noqa: E731
-        bounded_gate, lower_bound=gate_lower_bound)
-    ref = lambda q, k, v, g, beta, h0: kda_reference(q, k, v, gate(g), beta, scale=scale,
-                                                     initial_state=h0, segment_ids=seg)
-    ker = lambda q, k, v, g, beta, h0: kda_pallas(inputs(q), inputs(k), inputs(v), g, beta,
-                                                  scale=scale, initial_state=h0, segment_ids=seg,
-                                                  output_final_state=True,
-                                                  gate_lower_bound=gate_lower_bound,
-                                                  interpret=True)
+    gated = gate_bias is not None
+    gate = (lambda g, b: bounded_gate(g + b, -5.0)) if gated else (lambda g, b: g)  # noqa: E731
+    ref = lambda q, k, v, g, beta, h0, b: kda_reference(q, k, v, gate(g, b), beta, scale=scale,
+                                                        initial_state=h0, segment_ids=seg)
+    ker = lambda q, k, v, g, beta, h0, b: kda_pallas(
+        inputs(q), inputs(k), inputs(v), g, beta, scale=scale, initial_state=h0,
+        segment_ids=seg, output_final_state=True, gate_lower_bound=-5.0 if gated else None,
+        gate_bias=b, interpret=True)
+    args = (*args, gate_bias)
     (ro, rf), rg = _values_and_grads(ref, args, do, dfin)
     (o, f), kg = _values_and_grads(ker, args, do, dfin)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
     assert rel_rms(rf, f) <= BF16_OUT_TOL
     for name, a, r, x in zip(NAMES, args, rg, kg):
+        if a is None:
+            continue
         assert x.dtype == a.dtype, name
         tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
         assert rel_rms(r, x) <= tol, (name, rel_rms(r, x))
+    if gated:
+        assert kg[-1].dtype == gate_bias.dtype
+        assert gate_bias_grad_error(kg[3], kg[-1]) <= FP32_TOL, gate_bias_grad_error(kg[3], kg[-1])
 
 
 def _softplus_segments_case():
@@ -325,16 +338,19 @@ def test_kda_pallas_values_and_gradients(gate, segments):
 
 
 def test_kda_pallas_takes_the_gate_logits():
-    """``gate_lower_bound``: the op takes K3's gate logits ``z`` and its cumsum kernels form the
-    log-decay from them (and the reverse cumsum returns ``dz``): values and all six gradients,
-    the logits' among them, against the recurrence on :func:`bounded_gate` of ``z``; T = 90 padded
-    to 128 (padding logits of -inf: no decay, so the final state against the reference's checks
-    them) and packed segments."""
-    args, do, dfin = _bf16_case(3, 1, 90, 1, 64, 64, "lower_bound")
+    """``gate_lower_bound`` and ``gate_bias``: the op takes K3's gate logits ``z`` less their bias
+    and its cumsum kernels form the log-decay ``-5 sigmoid(z + bias)`` (and the reverse cumsum
+    returns ``dz`` and the bias's gradient): values and all seven gradients against the
+    recurrence on :func:`bounded_gate` of ``z + bias``; T = 90 padded to 128 (padding logits of
+    -inf: no decay, so the final state against the reference's checks them) and packed
+    segments."""
+    args, do, dfin = _bf16_case(3, 1, 90, 2, 64, 64, "lower_bound")
     # spread as the case's own (its log-decays are -5 sigmoid of standard normal logits)
-    logits = jax.jit(lambda key: jax.random.normal(key, args[3].shape))(jax.random.PRNGKey(11))
+    logits, bias = jax.jit(lambda key: (jax.random.normal(key, args[3].shape),
+                                        0.5 * jax.random.normal(key, args[3].shape[2:])))(
+        jax.random.PRNGKey(11))
     seg = jnp.array([[0] * 50 + [1] * 40])
-    _check_all((*args[:3], logits, *args[4:]), seg, do, dfin, gate_lower_bound=-5.0)
+    _check_all((*args[:3], logits, *args[4:]), seg, do, dfin, gate_bias=bias)
 
 
 def test_kda_pallas_head_dim_128_two_value_tiles():

@@ -14,7 +14,12 @@ from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.tolerance import FP32_TOL, rel_rms
 from pallas_kernels import kda_cumsum
-from pallas_kernels.kda_cumsum import chunk_cumsum_reference, cumsum_and_gates, reverse_cumsum
+from pallas_kernels.kda_cumsum import (
+    chunk_cumsum_reference,
+    cumsum_and_gates,
+    reverse_cumsum,
+    reverse_cumsum_through_gate,
+)
 from pallas_kernels.kda_gates import bounded_chunks
 
 ON_GPU = pytest.param(False, id="gpu", marks=pytest.mark.skipif(
@@ -57,29 +62,33 @@ def test_cumsum_and_its_reverse_match_sequential_cumsum(dk, interpret):
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreter"), ON_GPU])
 @pytest.mark.parametrize("dk", [64, 128])
 def test_cumsum_and_its_reverse_through_the_bounded_gate(dk, interpret):
-    """With a ``lower_bound`` the forward takes the gate's logits ``z`` and sums
-    ``lower_bound * sigmoid(z)``, and the reverse (given ``z``) returns ``dz``: against the fp32
-    sequential cumsum of :func:`bounded_gate` and its VJP (autodiff through the gate), within
-    FP32_TOL (the kernels' ``exp`` is the fast approximate one); in the interpreter and, where
-    there is one, compiled for the GPU."""
+    """With a ``lower_bound`` the forward takes the gate's logits ``z`` less their bias ``b`` and
+    sums ``lower_bound * sigmoid(z + b)``, and the reverse (given ``z`` and ``b``) returns ``dz``
+    and ``db`` (the sums over the chunks' rows): against the fp32 sequential cumsum of
+    :func:`bounded_gate` and its VJP (autodiff through the gate), within FP32_TOL (the kernels'
+    ``exp`` is the fast approximate one); in the interpreter and, where there is one, compiled
+    for the GPU."""
     bound = -5.0
 
     @jax.jit
     def reference(key):
-        kz, kq, kc = jax.random.split(key, 3)
-        z = 3.0 * jax.random.normal(kz, (2, 128, 3, dk))
+        kz, kb, kq, kc = jax.random.split(key, 4)
+        z = 2.0 * jax.random.normal(kz, (2, 128, 3, dk))
+        b = jax.random.normal(kb, (3, dk))
         qk = jax.random.normal(kq, z.shape).astype(jnp.bfloat16)
-        ref, ref_vjp = jax.vjp(lambda z: chunk_cumsum_reference(bounded_gate(z, bound)), z)
+        ref, ref_vjp = jax.vjp(lambda z, b: chunk_cumsum_reference(bounded_gate(z + b, bound)),
+                               z, b)
         ct = jax.random.normal(kc, ref.shape)
-        return z, qk, ref, ct, ref_vjp(ct)[0]
+        return z, b, qk, ref, ct, ref_vjp(ct)
 
-    z, qk, ref, ct, ref_dz = reference(jax.random.PRNGKey(2))
-    out = jax.jit(lambda z, qk: cumsum_and_gates(z, qk, qk, scale=1.0, lower_bound=bound,
-                                                 interpret=interpret)[0])(z, qk)
+    z, b, qk, ref, ct, (ref_dz, ref_db) = reference(jax.random.PRNGKey(2))
+    out = jax.jit(lambda z, b, qk: cumsum_and_gates(z, qk, qk, scale=1.0, lower_bound=bound,
+                                                    bias=b, interpret=interpret)[0])(z, b, qk)
     assert rel_rms(ref, out) <= FP32_TOL
-    dz = jax.jit(lambda ct, z: reverse_cumsum(ct, z, lower_bound=bound, interpret=interpret))(
-        ct, z)
-    assert dz.shape == z.shape and rel_rms(ref_dz, dz) <= FP32_TOL
+    dz, db = jax.jit(lambda ct, z, b: reverse_cumsum_through_gate(
+        ct, z, b, lower_bound=bound, interpret=interpret))(ct, z, b)
+    assert dz.shape == z.shape and db.shape == b.shape
+    assert rel_rms(ref_dz, dz) <= FP32_TOL and rel_rms(ref_db, db) <= FP32_TOL
 
 
 @pytest.mark.parametrize("dk", [64, 128])
@@ -113,12 +122,12 @@ def test_kernels_lower_for_cuda(dk):
     bwd_in = jax.ShapeDtypeStruct((1, 2, 256, dk), jnp.float32)
     fwd = jax.jit(kda_cumsum._cumsum_gates_call,
                   static_argnames=("scale", "lower_bound", "interpret"))
-    fwd.trace(fwd_in, qk, qk, (), scale=1.0, lower_bound=None, interpret=False).lower(
-        lowering_platforms=("cuda",))
     bwd = jax.jit(kda_cumsum._reverse_call, static_argnames=("lower_bound", "interpret"))
-    bwd.trace(bwd_in, lower_bound=None, interpret=False).lower(lowering_platforms=("cuda",))
-    # K3's gate: the forward on its logits, the reverse reading them
-    fwd.trace(fwd_in, qk, qk, (), scale=1.0, lower_bound=-5.0, interpret=False).lower(
-        lowering_platforms=("cuda",))
-    bwd.trace(bwd_in, fwd_in, lower_bound=-5.0, interpret=False).lower(
-        lowering_platforms=("cuda",))
+    cuda = {"lowering_platforms": ("cuda",)}
+    fwd.trace(fwd_in, qk, qk, (), (), scale=1.0, lower_bound=None, interpret=False).lower(**cuda)
+    bwd.trace(bwd_in, lower_bound=None, interpret=False).lower(**cuda)
+    # K3's gate: the forward on its logits and bias rows, the reverse reading them
+    rows = jax.ShapeDtypeStruct((2, 128 // dk, dk), jnp.float32)
+    fwd.trace(fwd_in, qk, qk, (), (rows,), scale=1.0, lower_bound=-5.0, interpret=False).lower(
+        **cuda)
+    bwd.trace(bwd_in, fwd_in, rows, lower_bound=-5.0, interpret=False).lower(**cuda)

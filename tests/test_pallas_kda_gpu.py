@@ -11,12 +11,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import kda_bf16_case, kda_fp32_case
+from helpers import gate_bias_grad_error, kda_bf16_case, kda_fp32_case
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_reference
-from k3jax.ops.tolerance import BF16_GRAD_GATE_TOL, BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
+from k3jax.ops.tolerance import (
+    BF16_GRAD_GATE_TOL,
+    BF16_GRAD_QKV_TOL,
+    BF16_OUT_TOL,
+    FP32_TOL,
+    rel_rms,
+)
 from pallas_kernels.kda import kda_pallas, supports
 
 pytestmark = pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
@@ -101,23 +107,31 @@ def test_repeatable_on_gpu(b):
 def test_without_initial_or_final_state_on_gpu(b, h, bound):
     """The training call: no initial state, no final state returned (the state kernels read
     neither, and write no initial-state gradient), at 32-wide value tiles and at 64-wide ones with
-    the forward alone applying the inverse, and with K3's gate logits (``gate_lower_bound``: the
-    cumsum kernels form the log-decay and return the logits' gradient): values and the five
-    gradients against the fp32 recurrence within math §10's bf16 tolerances."""
+    the forward alone applying the inverse, and with K3's gate logits and their bias
+    (``gate_lower_bound``, ``gate_bias``: the cumsum kernels form the log-decay and return the
+    gradients of both): values and the gradients against the fp32 recurrence within math §10's
+    bf16 tolerances, the bias's as the sum of the logits' (:func:`helpers.gate_bias_grad_error`)."""
     args, do, _ = kda_bf16_case(21 + h, b, 1024, h, 128, 128, "lower_bound")
+    bias = None
     if bound is not None:  # logits in place of the log-decay, spread as the case's own
-        args = (*args[:3], jax.random.normal(jax.random.PRNGKey(h), args[3].shape), *args[4:])
+        key = jax.random.PRNGKey(h)
+        args = (*args[:3], jax.random.normal(key, args[3].shape), *args[4:])
+        bias = 0.5 * jax.random.normal(key, args[3].shape[2:])
+    args = (*args[:5], bias)
     scale = 128**-0.5
-    ker = lambda q, k, v, g, beta: kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta,  # noqa: E731
-                                              scale=scale, gate_lower_bound=bound)[0]
-    gate = (lambda g: g) if bound is None else (lambda z: bounded_gate(z, bound))  # noqa: E731
-    ref = lambda q, k, v, g, beta: kda_reference(q, k, v, gate(g), beta,  # noqa: E731
-                                                 scale=scale)[0]
+    ker = lambda q, k, v, g, beta, bias: kda_pallas(  # noqa: E731
+        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=scale, gate_lower_bound=bound,
+        gate_bias=bias)[0]
+    gate = (lambda g, b: g) if bound is None else (lambda z, b: bounded_gate(z + b, bound))  # noqa: E731
+    ref = lambda q, k, v, g, beta, bias: kda_reference(  # noqa: E731
+        q, k, v, gate(g, bias), beta, scale=scale)[0]
     loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do)  # noqa: E731
-    ro, o = jax.jit(ref)(*args[:5]), jax.jit(ker)(*args[:5])
-    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args[:5])
-    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(5))))(*args[:5])
+    ro, o = jax.jit(ref)(*args), jax.jit(ker)(*args)
+    rg = jax.jit(jax.grad(loss(ref), argnums=tuple(range(6))))(*args)
+    kg = jax.jit(jax.grad(loss(ker), argnums=tuple(range(6))))(*args)
     assert rel_rms(ro, o) <= BF16_OUT_TOL, rel_rms(ro, o)
-    for n, r, x in zip(NAMES, rg, kg):
+    for n, r, x in zip(NAMES[:5], rg, kg):
         tol = BF16_GRAD_GATE_TOL if n in ("g", "beta") else BF16_GRAD_QKV_TOL
         assert rel_rms(r, x) <= tol, (n, rel_rms(r, x))
+    if bias is not None:
+        assert gate_bias_grad_error(kg[3], kg[5]) <= FP32_TOL, gate_bias_grad_error(kg[3], kg[5])

@@ -97,21 +97,22 @@ class KDALayer(nn.Module):
         return k.lower_bound if k.gate == "lower_bound" else None
 
     def _gates(self, x):
-        """``(gate [..., H, K], beta [..., H])`` fp32 from ``x [..., d]``: the gate is the
-        log-decay ``g`` (softplus form) or, under :attr:`_gate_bound`, its logits
-        ``z = exp(A_log) f``, which the KDA op turns into ``g`` where it reads them. ``exp(A_log)``
-        scales the up-projection's columns and ``dt_bias``, so the product writes ``z`` itself."""
+        """``(gate [..., H, K], bias [H, K] or None, beta [..., H])`` fp32 from ``x [..., d]``: the
+        gate is the log-decay ``g`` (softplus form) or, under :attr:`_gate_bound`, the logits
+        ``z = exp(A_log) f`` less their bias ``exp(A_log) dt_bias``, which the KDA op adds and
+        turns into ``g`` where it reads them (``exp(A_log)`` scales the up-projection's
+        columns, so the product writes the logits itself)."""
         k, f32 = self.cfg.kda, jnp.float32
         # x's two fp32 projections side by side: one pass over x.
         both = fp32_projection(x, jnp.concatenate([self.w_fa, self.w_beta], axis=1))
         low, w_up, bias = both[..., :k.gate_rank], self.w_fb.astype(f32), self.dt_bias
-        if self._gate_bound is None:
-            gate = kda_gate(self._heads(low @ w_up + bias), self.A_log, k.gate, k.lower_bound)
-        else:
-            a = jnp.repeat(jnp.exp(self.A_log.astype(f32)), k.head_dim)  # [H K]
-            gate = self._heads(low @ (w_up * a) + bias * a)
         beta = jax.nn.sigmoid(both[..., k.gate_rank:])
-        return gate, (2.0 * beta if k.allow_neg_eigval else beta)
+        beta = 2.0 * beta if k.allow_neg_eigval else beta
+        if self._gate_bound is None:
+            g = kda_gate(self._heads(low @ w_up + bias), self.A_log, k.gate, k.lower_bound)
+            return g, None, beta
+        a = jnp.repeat(jnp.exp(self.A_log.astype(f32)), k.head_dim)  # [H K]
+        return self._heads(low @ (w_up * a)), self._heads(bias * a), beta
 
     def _output(self, x, o):
         """``W_o(RMSNorm_head(o) * w * sigmoid(G))`` for ``o [..., H, V]``."""
@@ -137,11 +138,12 @@ class KDALayer(nn.Module):
             convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl,
                                    head_dim))  # q and k come L2-normalised per head
         (q, cq), (kk, ck), (v, cv) = convs
-        gate, beta = self._gates(x)
+        gate, gate_bias, beta = self._gates(x)
         o, final = kda(self._heads(q), self._heads(kk), self._heads(v), gate, beta,
                        initial_state=None if cache is None else cache.state,
                        output_final_state=return_cache, segment_ids=segment_ids,
-                       chunk_size=k.chunk_size, impl=k.impl, gate_lower_bound=self._gate_bound)
+                       chunk_size=k.chunk_size, impl=k.impl, gate_lower_bound=self._gate_bound,
+                       gate_bias=gate_bias)
         out = self._output(x, o.astype(x.dtype))
         return (out, KDACache(cq, ck, cv, final)) if return_cache else out
 
@@ -154,9 +156,9 @@ class KDALayer(nn.Module):
         q, cq = conv_silu_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q, head_dim)
         kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k, head_dim)
         v, cv = conv_silu_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
-        g, beta = self._gates(x)
+        g, gate_bias, beta = self._gates(x)
         if self._gate_bound is not None:
-            g = bounded_gate(g, self._gate_bound)
+            g = bounded_gate(g + gate_bias, self._gate_bound)
         o, state = kda_decode(self._heads(q), self._heads(kk), self._heads(v), g, beta,
                               cache.state)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)

@@ -94,9 +94,14 @@ def _real_between(x, low, high) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and low < x < high
 
 
-def _check_gate_bound(fn, gate_lower_bound):
+def _check_gate(fn, gate_lower_bound, gate_bias, q):
     if gate_lower_bound is not None and not _real_between(gate_lower_bound, -math.inf, 0):
         _fail(fn, "gate_lower_bound", gate_lower_bound, "None or a finite negative real number")
+    if gate_bias is None:
+        return
+    if gate_lower_bound is None:
+        _fail(fn, "gate_bias", "given", "None without gate_lower_bound (it biases that gate)")
+    _check_array(fn, "gate_bias", gate_bias, 2, (("H", q.shape[2]), ("K", q.shape[3])))
 
 
 def _check_options(fn, scale, use_qk_l2norm, chunk_size=None, impl=None):
@@ -142,7 +147,8 @@ def _select(impl, q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
 # ---------------------------------------------------------------------------------- public ops
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False, gate_lower_bound=None):
+        segment_ids=None, chunk_size=64, impl="auto", use_qk_l2norm=False, gate_lower_bound=None,
+        gate_bias=None):
     """Kimi Delta Attention over whole sequences (math §3.2), FLA layout.
 
     Args:
@@ -158,17 +164,19 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       impl: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"pallas"``.
       use_qk_l2norm: L2-normalise q and k per head first (math §3.1 step 3).
       gate_lower_bound: None, or the bound of K3's gate (< 0): then ``g`` holds the gate's logits
-        ``z = exp(A_log) f`` and the log-decay is ``gate_lower_bound * sigmoid(z)``
-        (:func:`~k3jax.ops.kda_gate.bounded_gate`), formed inside the op; the kernel path forms
-        it in the kernels that read ``g`` (fla's ``use_gate_in_kernel``), so neither the fp32
-        log-decay nor its gradient makes a trip through memory of its own.
+        ``z = exp(A_log) f`` less ``gate_bias`` and the log-decay is
+        ``gate_lower_bound * sigmoid(z + gate_bias)`` (:func:`~k3jax.ops.kda_gate.bounded_gate`),
+        formed inside the op; the kernel path forms it in the kernels that read ``g`` (fla's
+        ``use_gate_in_kernel``), so neither the fp32 log-decay nor its gradient makes a trip
+        through memory of its own, and the bias's gradient comes from their sums.
+      gate_bias: optional ``[H, K]`` under ``gate_lower_bound`` (fp32; zero if None).
 
     Returns:
       ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32 or None)``.
     """
     _check_inputs("kda", q, k, v, g, beta, initial_state, segment_ids, token_axis=True)
     _check_options("kda", scale, use_qk_l2norm, chunk_size, impl)
-    _check_gate_bound("kda", gate_lower_bound)
+    _check_gate("kda", gate_lower_bound, gate_bias, q)
     if not isinstance(output_final_state, bool):
         _fail("kda", "output_final_state", output_final_state, "a bool")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -177,25 +185,28 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     # one by one: it runs as one compiled program instead. Inside a trace it is inlined as it is,
     # so a model's program stays flat (a nested jit per layer slowed the H200 train step).
     traced = any(isinstance(x, jax.core.Tracer)
-                 for x in (q, k, v, g, beta, initial_state, segment_ids))
+                 for x in (q, k, v, g, beta, initial_state, segment_ids, gate_bias))
     run = _kda_path if traced else _kda_compiled
     bound = None if gate_lower_bound is None else float(gate_lower_bound)
-    o, final = run(q, k, v, g, beta, initial_state, segment_ids, path=path, scale=scale,
+    o, final = run(q, k, v, g, beta, initial_state, segment_ids, gate_bias, path=path,
+                   scale=scale,
                    chunk_size=chunk_size, output_final_state=output_final_state,
                    use_qk_l2norm=use_qk_l2norm, gate_lower_bound=bound)
     return o, (final if output_final_state else None)
 
 
-def _kda_path(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chunk_size,
-              output_final_state, use_qk_l2norm, gate_lower_bound):
+def _kda_path(q, k, v, g, beta, initial_state, segment_ids, gate_bias, *, path, scale,
+              chunk_size, output_final_state, use_qk_l2norm, gate_lower_bound):
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if path == "pallas":
-        return _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
-                                   chunk_size=chunk_size, output_final_state=output_final_state,
+        return _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, gate_bias,
+                                   scale=scale, chunk_size=chunk_size,
+                                   output_final_state=output_final_state,
                                    gate_lower_bound=gate_lower_bound)
     if gate_lower_bound is not None:
-        g = bounded_gate(g, gate_lower_bound)
+        z = g.astype(jnp.float32) + (0.0 if gate_bias is None else gate_bias.astype(jnp.float32))
+        g = bounded_gate(z, gate_lower_bound)
     if path == "reference":
         return kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              segment_ids=segment_ids)
@@ -203,16 +214,18 @@ def _kda_path(q, k, v, g, beta, initial_state, segment_ids, *, path, scale, chun
                        segment_ids=segment_ids, chunk_size=chunk_size)
 
 
-def _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, **options):
+def _pallas_on_own_rows(q, k, v, g, beta, initial_state, segment_ids, gate_bias, **options):
     """:func:`pallas_kernels.kda.kda_pallas` with each device on its own rows of the batch
-    (:func:`~k3jax.ops.per_device.on_own_rows`): every input and output is per row."""
-    def on_rows(q, k, v, g, beta, initial_state, segment_ids):
+    (:func:`~k3jax.ops.per_device.on_own_rows`): every input and output is per row but the
+    gate's bias, a parameter."""
+    def on_rows(q, k, v, g, beta, initial_state, segment_ids, gate_bias):
         return _pallas_module().kda_pallas(q, k, v, g, beta, initial_state=initial_state,
-                                           segment_ids=segment_ids, **options)
+                                           segment_ids=segment_ids, gate_bias=gate_bias,
+                                           **options)
 
-    return on_own_rows(on_rows, q.shape[0], lambda rows: (P(rows),) * 7,
+    return on_own_rows(on_rows, q.shape[0], lambda rows: (P(rows),) * 7 + (P(),),
                        lambda rows: (P(rows), P(rows)))(q, k, v, g, beta, initial_state,
-                                                       segment_ids)
+                                                       segment_ids, gate_bias)
 
 
 _kda_compiled = jax.jit(_kda_path, static_argnames=("path", "scale", "chunk_size",
