@@ -148,6 +148,41 @@ def test_kda_gates_stay_in_range():
     np.testing.assert_allclose(sp[..., 1, :], 16 * sp[..., 0, :], rtol=1e-5)
 
 
+# The gate's down-projection is exact (bf16 x by the fp32 weight's bf16 parts) and its rank-r
+# up-projection three bf16 products of fp32 operands' parts (~4e-6 off on a GPU, fp32 on a CPU).
+# Far under math §10's 1e-4 on purpose: that product with its operands rounded to TF32's 10
+# significand bits (a GPU's default fp32 product) is 2e-5 (lower-bound form) and 9e-5 (softplus)
+# off here.
+FP32_GATE_TOL = 1e-5
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_kda_gate_is_computed_in_fp32(gate):
+    """Math 3.1 step 4: ``f = W_fb(W_fa x) + dt_bias`` in fp32 from bf16 ``x``, then the gate
+    (the lower-bound form hands the op its logits ``exp(A_log) f``, bias apart), against the
+    formula in fp64. It runs on jax's default backend: on a GPU with ``JAX_PLATFORMS=cuda``."""
+    cfg = small_config()
+    cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, gate=gate))
+    layer, x = KDALayer(cfg), jnp.asarray(_x(11, cfg.d_model), jnp.bfloat16)
+    v = _init(layer, x)
+    h = cfg.kda.num_heads
+    v["params"]["A_log"] = jnp.linspace(-0.5, 0.5, h, dtype=jnp.float32)  # exp(A_log) != 1
+    # A trained gate's scale: the product, not dt_bias, sets f (at init it is ~100x smaller).
+    r = cfg.kda.gate_rank
+    v["params"]["w_fb"] = jax.random.normal(jax.random.key(12), (r, v["params"]["w_fb"].shape[1]))
+    got, bias, _ = jax.jit(functools.partial(layer.apply, method=KDALayer._gates))(v, x)
+    p = {k: np.asarray(w, np.float64) for k, w in v["params"].items()
+         if k in ("w_fa", "w_fb", "dt_bias", "A_log")}
+    f = (np.asarray(x, np.float64) @ p["w_fa"] @ p["w_fb"] + p["dt_bias"]).reshape(
+        *x.shape[:-1], h, -1)
+    scale = np.exp(p["A_log"])[:, None]
+    if gate == "softplus":
+        want = -scale * np.logaddexp(0.0, f)
+    else:
+        want, got = scale * f, got + bias
+    assert rel_rms(want, got) < FP32_GATE_TOL, rel_rms(want, got)
+
+
 @pytest.mark.parametrize("q_lora,rope,gate", [(16, False, True), (None, True, False)])
 def test_mla_absorbed_equals_expanded(q_lora, rope, gate):
     cfg = small_config()
