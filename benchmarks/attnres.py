@@ -26,6 +26,7 @@ from _timing import compile_stages, output, timed
 from k3jax.config import ResidualConfig
 from k3jax.config.experiment import apply_overrides, load_config
 from k3jax.model import K3Model
+from k3jax.ops.cross_entropy import token_nats
 from k3jax.parallel import init_on_one_device
 from k3jax.stack import plan_segments
 
@@ -48,10 +49,7 @@ def make_step(cfg):
 
     def loss(params, balance, tokens):
         variables = {"params": params, **({"balance": balance} if balance else {})}
-        logits = model.apply(variables, tokens[:, :-1])
-        nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
-            logits, tokens[:, 1:, None], -1)[..., 0]
-        return jnp.mean(nll)
+        return jnp.mean(token_nats(model.apply(variables, tokens[:, :-1]), tokens[:, 1:]))
 
     return jax.jit(jax.value_and_grad(loss))
 

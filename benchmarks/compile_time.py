@@ -70,6 +70,7 @@ jax.config.update("jax_enable_compilation_cache", False)
 from k3jax.config.experiment import apply_overrides, load_config  # noqa: E402
 from k3jax.devices import hopper_target  # noqa: E402
 from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
+from k3jax.ops.cross_entropy import token_nats  # noqa: E402
 from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
 from k3jax.train.loop import compile_step_async  # noqa: E402
 from k3jax.train.optim import build_optimizer, schedule_args  # noqa: E402
@@ -79,7 +80,6 @@ from k3jax.train.step import (  # noqa: E402
     _variables,
     init_state,
     make_train_step,
-    token_nats,
 )
 
 

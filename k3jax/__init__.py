@@ -9,7 +9,7 @@ The public API, by what it is for::
     cfg = k3jax.load_config("configs/k3_tiny.py")             # ExperimentConfig of a preset
     variables = k3jax.init_variables(cfg.model, jax.random.key(0))
     tokens = jnp.zeros((1, 16), jnp.int32)
-    logits = k3jax.K3Model(cfg.model).apply(variables, tokens)   # [1, 16, vocab] fp32
+    logits = k3jax.K3Model(cfg.model).apply(variables, tokens)   # [1, 16, vocab] bf16
 
 - model: :class:`K3Model`, :func:`init_variables`, :func:`abstract_variables`
 - ops: :func:`kda`, :func:`kda_decode`, :func:`kda_reference` (the token-by-token oracle);

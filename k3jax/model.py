@@ -1,7 +1,8 @@
 """The K3 decoder-only model: embedding, hybrid stack, final residual read, final norm, untied head.
 
-``K3Model(cfg).apply(variables, tokens, segment_ids=..., deterministic=...)`` returns fp32 logits.
-Everything else leaves through explicit linen collections, never hidden state:
+``K3Model(cfg).apply(variables, tokens, segment_ids=..., deterministic=...)`` returns logits in the
+compute dtype (``cfg.dtype``, accumulated in fp32: ``k3jax/ops/head.py``). Everything else leaves
+through explicit linen collections, never hidden state:
 
 * ``params``: trainable weights (plain pytrees after :func:`init_variables`);
 * ``balance``: the MoE router biases (non-trainable, updated by the training step);
@@ -77,7 +78,7 @@ class LayerGroup(nn.Module):
 
 
 class K3Model(nn.Module):
-    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]`` (fp32)."""
+    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]`` in ``cfg.dtype``."""
 
     cfg: ModelConfig
 

@@ -52,3 +52,20 @@ def test_backward_has_no_scatter():
     assert "scatter" not in str(jax.make_jaxpr(grad)(logits))
     plain = jax.grad(lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, targets)))
     assert "scatter" in str(jax.make_jaxpr(plain)(logits))  # the test can fail
+
+
+def test_bf16_logits_are_read_in_fp32():
+    """The bf16 head's logits: the same nats as their fp32 widening (computed in fp32), and the
+    gradient in bf16, the fp32 one rounded once."""
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    logits = (jax.random.normal(k1, (3, 5, 37), jnp.float32) * 4).astype(jnp.bfloat16)
+    targets = jax.random.randint(k2, (3, 5), 0, 37)
+    g = jax.random.uniform(k3, (3, 5), jnp.float32)
+    nats, vjp = jax.vjp(lambda x: token_nats(x, targets), logits)
+    wide, wide_vjp = jax.vjp(lambda x: token_nats(x, targets), logits.astype(jnp.float32))
+    assert nats.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(nats), np.asarray(wide))
+    (grad,) = vjp(g)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad),
+                                  np.asarray(wide_vjp(g)[0].astype(jnp.bfloat16)))

@@ -207,7 +207,7 @@ def test_packed_batch_equals_documents_one_by_one():
     after it (causal: later tokens never reach it, tests/test_model.py); the packed tokens
     without segment ids."""
     from k3jax.model import K3Model
-    from k3jax.train.step import token_nats
+    from k3jax.ops.cross_entropy import token_nats
 
     lengths, width = (11, 16, 5), 32
     rng = np.random.default_rng(1)

@@ -35,7 +35,9 @@ def _forward(cfg: ModelConfig, variables, tokens, segment_ids, cache: InferenceC
     inference_vars = {k: variables[k] for k in ("params", "balance") if k in variables}
     logits, layers = K3Model(_inference_config(cfg)).apply(
         inference_vars, tokens, context.segment_ids, True, cache.layers, context)
-    return logits, advanced.replace(layers=layers)
+    # The samplers' softmax, penalties and top-p sums read fp32 logits, where a bf16 model's are
+    # bf16: widened here (in the compiled step, fused into the row it keeps).
+    return logits.astype(jnp.float32), advanced.replace(layers=layers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +122,7 @@ def _host_length(cache: InferenceCache, length: int) -> InferenceCache:
 @functools.lru_cache(maxsize=None)
 def _compiled_forward(cfg: ModelConfig):
     return jax.jit(lambda variables, tokens, segment_ids: K3Model(cfg).apply(
-        variables, tokens, segment_ids))
+        variables, tokens, segment_ids).astype(jnp.float32))
 
 
 def forward_logits(cfg: ModelConfig, variables: dict, tokens, segment_ids=None) -> np.ndarray:

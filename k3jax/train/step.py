@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k3jax.ops import balancing, cross_entropy
+from k3jax.ops import balancing
+from k3jax.ops.cross_entropy import token_nats
 from k3jax.train.optim import build_optimizer, learning_rate
 
 MUTABLE = ["balance_stats", "diagnostics", "losses"]
@@ -37,12 +38,6 @@ def init_state(params: dict, balance: dict, optimizer: optax.GradientTransformat
             "opt_state": optimizer.init(params), "balance": balance,
             "rng": jax.random.PRNGKey(seed), "bad_steps": jnp.zeros((), jnp.int32),
             "skipped": jnp.zeros((), jnp.int32)}
-
-
-def token_nats(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Cross-entropy in nats per position: [B, T, V], [B, T] int -> [B, T] fp32
-    (:mod:`k3jax.ops.cross_entropy`)."""
-    return cross_entropy.token_nats(logits.astype(jnp.float32), targets)
 
 
 def _is_stats(x) -> bool:
