@@ -227,12 +227,21 @@ def test_split_run_with_carried_state_equals_one_run():
     assert_close("final_state", s_full, s2, FP32_TOL)
 
 
-def test_decode_steps_match_recurrence():
+@pytest.mark.parametrize("logits", [False, True], ids=["log_decay", "gate_logits"])
+def test_decode_steps_match_recurrence(logits):
+    """Token by token, as the sequence op; with ``logits`` both take K3's gate logits and their
+    bias (``gate_lower_bound``, ``gate_bias``) in place of the log-decay."""
     args, _ = make_inputs(6, 2, 12, gate="softplus")
     q, k, v, g, beta, h0 = map(np.asarray, args)  # host arrays: slicing them compiles nothing
+    gate = {}
+    if logits:
+        rng = np.random.default_rng(6)
+        g = rng.standard_normal(g.shape).astype(np.float32)
+        gate = dict(gate_lower_bound=-5.0, gate_bias=rng.standard_normal(g.shape[2:]).astype(
+            np.float32))
     ro, rs = jax.jit(lambda *a: kda(*a, initial_state=h0, output_final_state=True,
-                                    impl="reference"))(q, k, v, g, beta)
-    step = jax.jit(lambda *a: kda_decode(*a))
+                                    impl="reference", **gate))(q, k, v, g, beta)
+    step = jax.jit(lambda *a: kda_decode(*a, **gate))
     state, outs = h0, []
     for t in range(q.shape[1]):
         o, state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
@@ -379,6 +388,9 @@ def test_validation_names_the_argument(change, argument):
     (dict(state=None), "state"),
     (dict(scale=float("inf")), "scale"),
     (dict(use_qk_l2norm="yes"), "use_qk_l2norm"),
+    (dict(gate_lower_bound=0.0), "gate_lower_bound"),
+    (dict(gate_bias=S((H, DK), F32)), "gate_bias"),              # without gate_lower_bound
+    (dict(gate_lower_bound=-5.0, gate_bias=S((H + 1, DK), F32)), "gate_bias.shape"),
 ])
 def test_decode_validation_names_the_argument(change, argument):
     kw = {**dict(q=S((2, H, DK), F32), k=S((2, H, DK), F32), v=S((2, H, DV), F32),

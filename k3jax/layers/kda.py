@@ -19,7 +19,7 @@ from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
 from k3jax.ops.fp32_projection import fp32_projection
 from k3jax.ops.kda import kda, kda_decode
-from k3jax.ops.kda_gate import bounded_gate, kda_gate
+from k3jax.ops.kda_gate import kda_gate
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
 
 
@@ -165,11 +165,10 @@ class KDALayer(nn.Module):
         q, cq = conv_silu_step(x @ self._cast(self.w_q), self.conv_q, cache.conv_q, head_dim)
         kk, ck = conv_silu_step(x @ self._cast(self.w_k), self.conv_k, cache.conv_k, head_dim)
         v, cv = conv_silu_step(x @ self._cast(self.w_v), self.conv_v, cache.conv_v)
-        g, gate_bias, beta = self._gates(x)
-        if self._gate_bound is not None:
-            g = bounded_gate(g + gate_bias, self._gate_bound)
-        o, state = kda_decode(self._heads(q), self._heads(kk), self._heads(v), g, beta,
-                              cache.state)
+        gate, gate_bias, beta = self._gates(x)
+        o, state = kda_decode(self._heads(q), self._heads(kk), self._heads(v), gate, beta,
+                              cache.state, gate_lower_bound=self._gate_bound,
+                              gate_bias=gate_bias)
         return self._output(x, o.astype(x.dtype)), KDACache(cq, ck, cv, state)
 
     # -- extending a cache (prefill chunks, decode steps) --------------------------------------

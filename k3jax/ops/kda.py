@@ -95,13 +95,23 @@ def _real_between(x, low, high) -> bool:
 
 
 def _check_gate(fn, gate_lower_bound, gate_bias, q):
+    """``gate_bias`` is ``[H, K]`` of ``q [..., H, K]``."""
     if gate_lower_bound is not None and not _real_between(gate_lower_bound, -math.inf, 0):
         _fail(fn, "gate_lower_bound", gate_lower_bound, "None or a finite negative real number")
     if gate_bias is None:
         return
     if gate_lower_bound is None:
         _fail(fn, "gate_bias", "given", "None without gate_lower_bound (it biases that gate)")
-    _check_array(fn, "gate_bias", gate_bias, 2, (("H", q.shape[2]), ("K", q.shape[3])))
+    _check_array(fn, "gate_bias", gate_bias, 2, (("H", q.shape[-2]), ("K", q.shape[-1])))
+
+
+def _log_decay(g, gate_lower_bound, gate_bias):
+    """The log-decay the recurrence takes: ``g`` itself, or under ``gate_lower_bound`` K3's gate
+    of the logits ``g`` and their ``gate_bias`` (:func:`~k3jax.ops.kda_gate.bounded_gate`)."""
+    if gate_lower_bound is None:
+        return g
+    z = g.astype(jnp.float32)
+    return bounded_gate(z if gate_bias is None else z + gate_bias, gate_lower_bound)
 
 
 def _check_options(fn, scale, use_qk_l2norm, chunk_size=None, impl=None):
@@ -189,8 +199,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     run = _kda_path if traced else _kda_compiled
     bound = None if gate_lower_bound is None else float(gate_lower_bound)
     o, final = run(q, k, v, g, beta, initial_state, segment_ids, gate_bias, path=path,
-                   scale=scale,
-                   chunk_size=chunk_size, output_final_state=output_final_state,
+                   scale=scale, chunk_size=chunk_size, output_final_state=output_final_state,
                    use_qk_l2norm=use_qk_l2norm, gate_lower_bound=bound)
     return o, (final if output_final_state else None)
 
@@ -204,9 +213,7 @@ def _kda_path(q, k, v, g, beta, initial_state, segment_ids, gate_bias, *, path, 
                                    scale=scale, chunk_size=chunk_size,
                                    output_final_state=output_final_state,
                                    gate_lower_bound=gate_lower_bound)
-    if gate_lower_bound is not None:
-        z = g.astype(jnp.float32) + (0.0 if gate_bias is None else gate_bias.astype(jnp.float32))
-        g = bounded_gate(z, gate_lower_bound)
+    g = _log_decay(g, gate_lower_bound, gate_bias)
     if path == "reference":
         return kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              segment_ids=segment_ids)
@@ -233,22 +240,25 @@ _kda_compiled = jax.jit(_kda_path, static_argnames=("path", "scale", "chunk_size
                                                     "gate_lower_bound"))
 
 
-def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+def kda_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False,
+               gate_lower_bound=None, gate_bias=None):
     """One decode step (math §3.4): the recurrence step for one new token of every sequence.
 
     Args:
       q, k, g: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``; state: ``[B, H, K, V]`` (cast to
-        fp32). scale and use_qk_l2norm as in :func:`kda`.
+        fp32). scale, use_qk_l2norm, gate_lower_bound and gate_bias as in :func:`kda`.
 
     Returns:
       ``(o [B, H, V] in q's dtype, new_state [B, H, K, V] fp32)``.
     """
     _check_inputs("kda_decode", q, k, v, g, beta, state, None, token_axis=False)
     _check_options("kda_decode", scale, use_qk_l2norm)
+    _check_gate("kda_decode", gate_lower_bound, gate_bias, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    return kda_decode_step(q, k, v, g, beta, state.astype(jnp.float32), scale=scale)
+    return kda_decode_step(q, k, v, _log_decay(g, gate_lower_bound, gate_bias), beta,
+                           state.astype(jnp.float32), scale=scale)
 
 
 __all__ = ["IMPLS", "kda", "kda_decode", "l2_normalize"]
