@@ -44,10 +44,11 @@ from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
 from k3jax.config.mesh import MeshConfig  # noqa: E402
 from k3jax.layers.moe import MoEBlock  # noqa: E402
 from k3jax.model import SCANNED_COLLECTIONS  # noqa: E402
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.balancing import update_balance  # noqa: E402
 from k3jax.ops.ep_dispatch import EP_DISPATCHES, ep_dispatch  # noqa: E402
 from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch  # noqa: E402
+from k3jax.ops.moe_dispatch import ExpertWeights, ragged_dispatch  # noqa: E402
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms  # noqa: E402
 
 FULL = dict(d_model=2048, num_experts=64, top_k=8, latent_dim=1024, expert_intermediate=768,

@@ -23,8 +23,9 @@ import k3jax.parallel as kp
 from k3jax.config import ConfigError, ModelConfig, MoEConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.layers.moe import MoEBlock, make_dispatch
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.ep_dispatch import capacity, ep_dispatch
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, dense_dispatch, ragged_dispatch
 from k3jax.ops.routing import route, router_scores
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 

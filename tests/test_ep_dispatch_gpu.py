@@ -21,7 +21,8 @@ from k3jax.config import MoEConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus
 from k3jax.layers.moe import make_dispatch
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch
+from k3jax.ops.activations import GLUSpec
+from k3jax.ops.moe_dispatch import ExpertWeights, ragged_dispatch
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 
 pytestmark = pytest.mark.skipif(not hopper_gpus(2), reason="needs two sm_90 (H100/H200) GPUs")

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from k3jax.devices import hopper_gpus
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, ragged_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, ragged_dispatch
 from k3jax.ops.tiled_glu import glu_on_tiles
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, rel_rms
 from pallas_kernels import tiled_gmm as tiled

@@ -12,7 +12,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 
 from k3jax.devices import hopper_gpus
-from k3jax.ops.moe_dispatch import GLUSpec
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.tolerance import BF16_OUT_TOL, rel_rms
 from k3jax.parallel import kernel_precompile
 from k3jax.parallel.kernel_precompile import (

@@ -13,7 +13,8 @@ import pytest
 from k3jax.config import ConfigError, ModelConfig, MoEConfig
 from k3jax.config.moe import Dispatch
 from k3jax.layers.moe import DISPATCHES, MoEBlock, make_dispatch
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
+from k3jax.ops.activations import GLUSpec
+from k3jax.ops.moe_dispatch import ExpertWeights, dense_dispatch, ragged_dispatch
 from k3jax.ops.routing import aux_balance_loss, route, router_scores
 from k3jax.ops.tolerance import BF16_OUT_TOL, FP32_TOL, rel_rms
 

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.activations import glu, glu_recomputed, glu_vjp
-from k3jax.ops.moe_dispatch import GLUSpec
+from k3jax.ops.activations import GLUSpec, glu, glu_recomputed, glu_vjp
 from k3jax.ops.tiled_glu import glu_on_tiles
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import tiled_glu as kernels

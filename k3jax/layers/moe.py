@@ -31,9 +31,10 @@ from k3jax.config.moe import Dispatch
 from k3jax.layers.ffn import GLUMLP
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.param import normal
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.balancing import compute_stats
 from k3jax.ops.ep_dispatch import make_ep_dispatch
-from k3jax.ops.moe_dispatch import ExpertWeights, GLUSpec, dense_dispatch, ragged_dispatch
+from k3jax.ops.moe_dispatch import ExpertWeights, dense_dispatch, ragged_dispatch
 from k3jax.ops.per_device import on_own_rows
 from k3jax.ops.routing import aux_balance_loss, route, router_scores
 

@@ -80,3 +80,24 @@ def glu_vjp(gate: jax.Array, up: jax.Array, dh: jax.Array, activation: str,
     g_val, u_val = beta_gate * tg * s, beta_up * tu
     g_grad = (1.0 - tg * tg) * s + g_val * (1.0 - s)
     return dh * u_val * g_grad, dh * g_val * (1.0 - tu * tu)
+
+
+class GLUSpec(typing.NamedTuple):
+    """A gated activation, ``"swiglu"`` or ``"situ_glu"`` with its two soft caps, as one hashable
+    value: what the kernels take as a static argument (they call it and its :meth:`vjp`)."""
+
+    name: str = "situ_glu"
+    beta_gate: float = 4.0
+    beta_up: float = 25.0
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return glu(gate, up, self.name, self.beta_gate, self.beta_up)
+
+    def vjp(self, gate: jax.Array, up: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(dgate, dup)`` in fp32 at fp32 ``gate``, ``up`` for the output gradient ``dh``
+        (:func:`~k3jax.ops.activations.glu_vjp`: elementwise, so kernels can fuse it)."""
+        return glu_vjp(gate, up, dh, self.name, self.beta_gate, self.beta_up)
+
+    @classmethod
+    def from_config(cls, moe_cfg) -> "GLUSpec":
+        return cls(moe_cfg.activation, moe_cfg.situ_beta_gate, moe_cfg.situ_beta_up)

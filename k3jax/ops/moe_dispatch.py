@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.activations import glu, glu_vjp
+from k3jax.ops.activations import GLUSpec
 from k3jax.ops.grouped_matmul import grouped_matmul, row_alignment, runs_on_tiles
 from k3jax.ops.tiled_glu import glu_on_tiles
 
@@ -37,26 +37,6 @@ class ExpertWeights(NamedTuple):
     w_gate: jax.Array
     w_up: jax.Array
     w_down: jax.Array
-
-
-class GLUSpec(NamedTuple):
-    """The experts' gated activation: ``"swiglu"`` or ``"situ_glu"`` with its two soft caps."""
-
-    name: str = "situ_glu"
-    beta_gate: float = 4.0
-    beta_up: float = 25.0
-
-    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        return glu(gate, up, self.name, self.beta_gate, self.beta_up)
-
-    def vjp(self, gate: jax.Array, up: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(dgate, dup)`` in fp32 at fp32 ``gate``, ``up`` for the output gradient ``dh``
-        (:func:`~k3jax.ops.activations.glu_vjp`: elementwise, so kernels can fuse it)."""
-        return glu_vjp(gate, up, dh, self.name, self.beta_gate, self.beta_up)
-
-    @classmethod
-    def from_config(cls, moe_cfg) -> "GLUSpec":
-        return cls(moe_cfg.activation, moe_cfg.situ_beta_gate, moe_cfg.situ_beta_up)
 
 
 def check_dispatch_args(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -220,6 +200,6 @@ def dense_dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 
 
-__all__ = ["ExpertWeights", "GLUSpec", "aligned_rows", "check_dispatch_args", "combine_slots",
+__all__ = ["ExpertWeights", "aligned_rows", "check_dispatch_args", "combine_slots",
            "dense_dispatch", "expert_ffn", "experts_on_slots", "group_rows", "permute_rows",
            "ragged_dispatch"]
