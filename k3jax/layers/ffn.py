@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.param import normal
-from k3jax.ops.activations import glu_recomputed
+from k3jax.ops.activations import GLUSpec
+from k3jax.ops.glu_pair import glu_of_pair
 
 
 class GLUMLP(nn.Module):
@@ -34,9 +35,13 @@ class GLUMLP(nn.Module):
                           (self.d_model, self.intermediate), pdt)
         w_down = self.param("w_down", normal(self.init_std, ("mlp", "embed")),
                             (self.intermediate, self.d_model), pdt)
-        x = x.astype(cdt)
-        h = glu_recomputed(x @ w_gate.astype(cdt), x @ w_up.astype(cdt), self.activation,
-                           self.beta_gate, self.beta_up)
+        w_gate_up = jnp.stack([w_gate, w_up], axis=1).astype(cdt)    # [d, 2, m]: "mlp" stays last
+        # The barrier keeps XLA from merging this product with another one of the same input (the
+        # MoE's latent down-projection), which left the checkpoint a slice of that merged product
+        # to copy out.
+        x = jax.lax.optimization_barrier(x.astype(cdt))
+        h = glu_of_pair(jnp.einsum("...d,dkm->...km", x, w_gate_up),
+                        GLUSpec(self.activation, self.beta_gate, self.beta_up))
         return h @ w_down.astype(cdt)
 
 
