@@ -37,8 +37,8 @@ class GLUMLP(nn.Module):
                             (self.intermediate, self.d_model), pdt)
         w_gate_up = jnp.stack([w_gate, w_up], axis=1).astype(cdt)    # [d, 2, m]: "mlp" stays last
         # The barrier keeps XLA from merging this product with another one of the same input (the
-        # MoE's latent down-projection), which left the checkpoint a slice of that merged product
-        # to copy out.
+        # MoE's latent down-projection): the backward keeps this product, and a slice of a merged
+        # one is copied out to be kept (2.6 ms a step on an H100 without the barrier).
         x = jax.lax.optimization_barrier(x.astype(cdt))
         h = glu_of_pair(jnp.einsum("...d,dkm->...km", x, w_gate_up),
                         GLUSpec(self.activation, self.beta_gate, self.beta_up))
