@@ -125,6 +125,8 @@ def test_bad_arguments_are_named():
         glu_of_pair(jnp.zeros((4, 3, 8)), act)
     with pytest.raises(ValueError, match="impl must be one of"):
         glu_of_pair(jnp.zeros((4, 2, 8)), act, impl="fast")
+    with pytest.raises(ValueError, match=r"m % 128 == 0"):  # at the call, before any backward
+        glu_of_pair(jnp.zeros((ROWS, 2, 64)), act, impl="pallas")
     pair = jnp.zeros((ROWS, 2, COLS), jnp.bfloat16)
     with pytest.raises(ValueError, match="dh must be"):
         kernels.glu_pair_vjp(pair, jnp.zeros((ROWS, COLS), jnp.float32), act=act)

@@ -41,16 +41,23 @@ def glu_of_pair(pair: jax.Array, act: GLUSpec, impl: str = "auto",
         raise ValueError(f"glu_of_pair: pair must be [..., 2, m], got shape {pair.shape}")
     if impl not in IMPLS:
         raise ValueError(f"glu_of_pair: impl must be one of {IMPLS}, got {impl!r}")
-    kernel = impl == "pallas" or (impl == "auto" and hopper_gpus() and _kernel_takes(pair))
-    return _glu_of_pair(pair, act, kernel, interpret)
+    return _glu_of_pair(pair, act, _takes_kernel(pair, impl), interpret)
 
 
-def _kernel_takes(pair) -> bool:
+def _takes_kernel(pair, impl: str) -> bool:
+    """Whether the backward runs the kernel: always for ``"pallas"`` (after the kernel's own
+    argument checks, so a call it cannot take fails here, not when differentiated), and for
+    ``"auto"`` where it can run."""
+    if impl == "reference" or (impl == "auto" and not hopper_gpus()):
+        return False
     from pallas_kernels import glu_pair  # lazy: GPU-only modules stay out of CPU imports
 
     n, m = math.prod(pair.shape[:-2]), pair.shape[-1]
-    return glu_pair.supports(jax.ShapeDtypeStruct((n, 2, m), pair.dtype),
-                             jax.ShapeDtypeStruct((n, m), pair.dtype))
+    rows = jax.ShapeDtypeStruct((n, 2, m), pair.dtype), jax.ShapeDtypeStruct((n, m), pair.dtype)
+    if impl == "pallas":
+        glu_pair.check_args(*rows)
+        return True
+    return glu_pair.supports(*rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
