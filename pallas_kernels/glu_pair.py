@@ -34,7 +34,7 @@ BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 16, 128, 4
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def check_args(pair, dh) -> None:
+def check_args(pair, dh, block_rows: int = BLOCK_ROWS, block_cols: int = BLOCK_COLS) -> None:
     """ValueError naming the argument when the kernel cannot take the call."""
     if pair.ndim != 3 or pair.shape[1] != 2:
         raise ValueError(f"glu_pair_vjp: pair must be [N, 2, m], got shape {pair.shape}")
@@ -44,9 +44,9 @@ def check_args(pair, dh) -> None:
     if dh.shape != (n, m) or dh.dtype != pair.dtype:
         raise ValueError(f"glu_pair_vjp: dh must be [{n}, {m}] {pair.dtype}, got {dh.shape} "
                          f"{dh.dtype}")
-    if n % BLOCK_ROWS or m % BLOCK_COLS:
-        raise ValueError(f"glu_pair_vjp: the kernel needs N % {BLOCK_ROWS} == 0 and "
-                         f"m % {BLOCK_COLS} == 0, got N={n}, m={m}")
+    if n % block_rows or m % block_cols:
+        raise ValueError(f"glu_pair_vjp: the kernel needs N % {block_rows} == 0 and "
+                         f"m % {block_cols} == 0, got N={n}, m={m}")
 
 
 def supports(pair, dh) -> bool:
@@ -67,20 +67,24 @@ def _kernel(pair_ref, dh_ref, out_ref, *, act):
     out_ref[:, 1, :] = dup.astype(out_ref.dtype)
 
 
-def glu_pair_vjp(pair, dh, *, act, interpret: bool = False):
+def glu_pair_vjp(pair, dh, *, act, tiling: tuple[int, int, int] = (BLOCK_ROWS, BLOCK_COLS,
+                                                                    NUM_WARPS),
+                 interpret: bool = False):
     """``d_pair [N, 2, m]`` in ``pair.dtype``: the gradient of ``act(pair[:, 0], pair[:, 1])``
-    (``[N, m]``) for its output gradient ``dh [N, m]``. ``interpret``: run in Pallas's
-    interpreter (CPU tests)."""
-    check_args(pair, dh)
+    (``[N, m]``) for its output gradient ``dh [N, m]``. ``tiling``: a program's rows, columns and
+    warps (benchmarks/glu_pair.py compares them). ``interpret``: run in Pallas's interpreter
+    (CPU tests)."""
+    rows, cols, warps = tiling
+    check_args(pair, dh, rows, cols)
     n, _, m = pair.shape
-    pair_block = pl.BlockSpec((BLOCK_ROWS, 2, BLOCK_COLS), lambda i, j: (i, 0, j))
+    pair_block = pl.BlockSpec((rows, 2, cols), lambda i, j: (i, 0, j))
     return pl.pallas_call(
         lambda *refs: _kernel(*refs, act=act),
         out_shape=jax.ShapeDtypeStruct(pair.shape, pair.dtype),
-        grid=(n // BLOCK_ROWS, m // BLOCK_COLS),
-        in_specs=[pair_block, pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j))],
+        grid=(n // rows, m // cols),
+        in_specs=[pair_block, pl.BlockSpec((rows, cols), lambda i, j: (i, j))],
         out_specs=pair_block, name="glu_pair_vjp_triton",
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=warps), interpret=interpret,
     )(pair, dh)
 
 
