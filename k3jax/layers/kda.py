@@ -17,7 +17,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.norms import GatedHeadRMSNorm
 from k3jax.layers.param import normal, param_init
-from k3jax.ops.fp32_projection import fp32_projection
+from k3jax.ops.fp32_projection import fp32_product, fp32_projection
 from k3jax.ops.kda import kda, kda_decode
 from k3jax.ops.kda_gate import kda_gate
 from k3jax.ops.short_conv import conv_silu, conv_silu_step
@@ -48,15 +48,6 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
     dt = jnp.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
     dt = jnp.maximum(dt, 1e-4)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-
-def _fp32_product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a @ b`` of fp32 operands to within math §10's fp32 tolerance: each operand split into two
-    bf16 parts, three bf16 products of them. A GPU's default fp32 product is TF32, which rounds
-    both operands to 10 significand bits. For the gate's up-projection (``[65536, 64] @ [64,
-    768]``, one H100, forward and backward): TF32 0.27 ms and 3e-4 off, these 0.32 ms and 4e-6
-    off, ``Precision.HIGHEST`` (fp32 cores) 0.53 ms and 1e-7 off."""
-    return jnp.dot(a, b, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
 
 
 class KDALayer(nn.Module):
@@ -118,10 +109,10 @@ class KDALayer(nn.Module):
         beta = jax.nn.sigmoid(both[..., k.gate_rank:])
         beta = 2.0 * beta if k.allow_neg_eigval else beta
         if self._gate_bound is None:
-            f = _fp32_product(low, w_up) + bias
+            f = fp32_product(low, w_up) + bias
             return kda_gate(self._heads(f), self.A_log, k.gate, k.lower_bound), None, beta
         a = jnp.repeat(jnp.exp(self.A_log.astype(f32)), k.head_dim)  # [H K]
-        return self._heads(_fp32_product(low, w_up * a)), self._heads(bias * a), beta
+        return self._heads(fp32_product(low, w_up * a)), self._heads(bias * a), beta
 
     def _output(self, x, o):
         """``W_o(RMSNorm_head(o) * w * sigmoid(G))`` for ``o [..., H, V]``."""
