@@ -70,9 +70,6 @@ def _fwd(pair, act, kernel, interpret):
 
 
 def _bwd(act, kernel, interpret, pair, dh):
-    # The barrier keeps XLA from taking the forward's fp32 intermediates instead of computing them
-    # again here (what jax.checkpoint's barrier does for glu_recomputed).
-    pair = jax.lax.optimization_barrier(pair)
     rows = pair.reshape(-1, 2, pair.shape[-1])
     dh = dh.reshape(-1, pair.shape[-1]).astype(pair.dtype)
     if kernel:
@@ -80,7 +77,10 @@ def _bwd(act, kernel, interpret, pair, dh):
         d_pair = on_own_rows(lambda p, g: vjp(p, g, act=act, interpret=interpret), rows.shape[0],
                              lambda r: (P(r), P(r)), lambda r: P(r))(rows, dh)
     else:
-        d_pair = glu_pair_reference(rows, dh, act)
+        # The barrier keeps XLA from taking the forward's fp32 intermediates instead of computing
+        # them again here (what jax.checkpoint's barrier does for glu_recomputed); the kernel
+        # computes them itself.
+        d_pair = glu_pair_reference(jax.lax.optimization_barrier(rows), dh, act)
     return (d_pair.reshape(pair.shape),)
 
 
