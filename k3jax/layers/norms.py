@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.param import ones
+from k3jax.ops.gated_head_norm import gated_head_norm
 from k3jax.ops.rms_norm import rms_norm
 
 
@@ -41,5 +42,4 @@ class GatedHeadRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, o: jax.Array, gate: jax.Array) -> jax.Array:
         w = self.param("scale", ones(("kv",)), (o.shape[-1],), jnp.dtype(self.param_dtype))
-        y = rms_norm(o.astype(jnp.float32), w, self.eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
-        return y.astype(jnp.dtype(self.dtype))
+        return gated_head_norm(o, gate, w, self.eps, jnp.dtype(self.dtype))
