@@ -42,7 +42,11 @@ class GLUMLP(nn.Module):
         x = jax.lax.optimization_barrier(x.astype(cdt))
         h = glu_of_pair(jnp.einsum("...d,dkm->...km", x, w_gate_up),
                         GLUSpec(self.activation, self.beta_gate, self.beta_up))
-        return h @ w_down.astype(cdt)
+        # Through this barrier the output's gradient reaches the down-projection's backward as a
+        # value of its own: XLA merged that product with another of the same gradient (the MoE's
+        # latent up-projection), a column-major [N, m + latent] result whose [N, m] part the
+        # activation's gradient kernel then took as a copy.
+        return jax.lax.optimization_barrier(h @ w_down.astype(cdt))
 
 
 def dense_ffn(cfg, lift: Callable[[type[nn.Module]], type[nn.Module]]) -> GLUMLP:
