@@ -47,11 +47,16 @@ HEAD_DIMS = (64, 128)  # heads the normalising kernels take: a tile's columns ar
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def check_args(x, w, segment_ids, dout=None, head_dim=None) -> None:
+def check_args(x, w, segment_ids, dout=None, head_dim=None, part=None) -> None:
     """ValueError naming the argument when the kernels cannot take the call."""
-    if x.ndim != 3:
-        raise ValueError(f"conv_silu: x must be [B, T, C], got shape {x.shape}")
-    b, t, c = x.shape
+    if x.ndim == 4:
+        if not isinstance(part, int) or not 0 <= part < x.shape[2]:
+            raise ValueError(f"conv_silu: part must index x's projections [0, {x.shape[2]}) for "
+                             f"x [B, T, P, C] {x.shape}, got {part!r}")
+    elif x.ndim != 3 or part is not None:
+        raise ValueError(f"conv_silu: x must be [B, T, C], or [B, T, P, C] with part given; got "
+                         f"shape {x.shape} and part={part!r}")
+    b, t, c = x.shape[0], x.shape[1], x.shape[-1]
     if jnp.dtype(x.dtype) not in INPUT_DTYPES:
         raise ValueError(f"conv_silu: x must be bfloat16 or float32, got {x.dtype}")
     if w.ndim != 2 or w.shape[1] != c or not 1 <= w.shape[0] <= MAX_WIDTH:
@@ -66,16 +71,16 @@ def check_args(x, w, segment_ids, dout=None, head_dim=None) -> None:
     if head_dim is not None and (head_dim not in HEAD_DIMS or c % head_dim):
         raise ValueError(f"conv_silu: head_dim must be one of {HEAD_DIMS} and divide C={c}, got "
                          f"{head_dim}")
-    if dout is not None and (dout.shape != x.shape or dout.dtype != x.dtype):
-        raise ValueError(f"conv_silu: dout must match x {x.shape} {x.dtype}, got {dout.shape} "
-                         f"{dout.dtype}")
+    if dout is not None and (dout.shape != (b, t, c) or dout.dtype != x.dtype):
+        raise ValueError(f"conv_silu: dout must be [B, T, C] = {(b, t, c)} {x.dtype}, got "
+                         f"{dout.shape} {dout.dtype}")
 
 
-def supports(x, w, segment_ids, head_dim=None) -> bool:
+def supports(x, w, segment_ids, head_dim=None, part=None) -> bool:
     """True for the calls the GPU tests cover: an sm_90 GPU and arguments :func:`check_args`
     takes."""
     try:
-        check_args(x, w, segment_ids, head_dim=head_dim)
+        check_args(x, w, segment_ids, head_dim=head_dim, part=part)
     except ValueError:
         return False
     return hopper_gpus()
@@ -83,13 +88,14 @@ def supports(x, w, segment_ids, head_dim=None) -> bool:
 
 # -- pieces of both kernels: rows of one batch row, as fp32 windows ---------------------------
 
-def _rows(ref, b, rows, cols, length):
-    """``ref[b, rows, cols]`` as fp32 ``[len(rows), len(cols)]``, rows outside ``[0, length)``
-    read as 0."""
+def _rows(ref, b, rows, cols, length, part=None):
+    """``ref[b, rows, cols]`` (``ref[b, rows, part, cols]`` for a ``part``) as fp32
+    ``[len(rows), len(cols)]``, rows outside ``[0, length)`` read as 0."""
     inside = (rows >= 0) & (rows < length)
     safe = jnp.clip(rows, 0, length - 1)
-    return plt.load(ref.at[b, safe[:, None], cols[None, :]], mask=inside[:, None],
-                    other=0).astype(F32)
+    at = (b, safe[:, None], cols[None, :]) if part is None else (b, safe[:, None], part,
+                                                                   cols[None, :])
+    return plt.load(ref.at[at], mask=inside[:, None], other=0).astype(F32)
 
 
 def _segment(seg_ref, b, rows, length):
@@ -109,12 +115,13 @@ def _reaches(seg_ref, b, rows, back, length, seg_rows):
     return (ok & (_segment(seg_ref, b, rows - back, length) == seg_rows))[:, None]
 
 
-def _taps(x_ref, seg_ref, b, rows, cols, width, length):
+def _taps(x_ref, seg_ref, b, rows, cols, width, length, part):
     """What each tap reads for ``rows``: ``width`` fp32 ``[len(rows), len(cols)]`` windows, the
     ``i``-th the rows ``i`` steps back, zero where that crosses the row's start or a segment."""
     seg_rows = _segment(seg_ref, b, rows, length)
     return [jnp.where(_reaches(seg_ref, b, rows, back, length, seg_rows),
-                      _rows(x_ref, b, rows - back, cols, length), 0.0) for back in range(width)]
+                      _rows(x_ref, b, rows - back, cols, length, part), 0.0)
+            for back in range(width)]
 
 
 def _conv(taps, w_ref, cols):
@@ -131,8 +138,10 @@ def _tile(block_c):
     return b, tb, tb * BLOCK_T + jnp.arange(BLOCK_T), cb * block_c + jnp.arange(block_c)
 
 
-def _out_block(tb, block_c):
-    return pl.ds(tb * BLOCK_T, BLOCK_T), pl.ds(pl.program_id(2) * block_c, block_c)
+def _out_block(tb, block_c, part=None):
+    """The tile's ``(rows, cols)`` slices of an output, ``(rows, part, cols)`` for a ``part``."""
+    rows, cols = pl.ds(tb * BLOCK_T, BLOCK_T), pl.ds(pl.program_id(2) * block_c, block_c)
+    return (rows, cols) if part is None else (rows, part, cols)
 
 
 def _activate(y, eps):
@@ -148,17 +157,18 @@ def _activate(y, eps):
 
 # -- kernels ------------------------------------------------------------------------------------
 
-def _forward_kernel(x_ref, w_ref, seg_ref, out_ref, *, width, length, block_c, eps):
+def _forward_kernel(x_ref, w_ref, seg_ref, out_ref, *, width, length, block_c, eps, part):
     b, tb, rows, cols = _tile(block_c)
-    y = _conv(_taps(x_ref, seg_ref, b, rows, cols, width, length), w_ref, cols)
+    y = _conv(_taps(x_ref, seg_ref, b, rows, cols, width, length, part), w_ref, cols)
     out_ref[(b, *_out_block(tb, block_c))] = _activate(y, eps)[0].astype(out_ref.dtype)
 
 
-def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length, block_c, eps):
+def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length, block_c, eps,
+               part):
     """``dy`` (the pre-activation's gradient) on the tile, rounded to the inputs' dtype, and the
     tile's partial sums of ``dw`` (from ``dy`` in fp32 and the windows that gave ``y``)."""
     b, tb, rows, cols = _tile(block_c)
-    taps = _taps(x_ref, seg_ref, b, rows, cols, width, length)
+    taps = _taps(x_ref, seg_ref, b, rows, cols, width, length, part)
     y = _conv(taps, w_ref, cols)
     out, sig, inv = _activate(y, eps)
     dout = _rows(dout_ref, b, rows, cols, length)
@@ -166,14 +176,17 @@ def _dy_kernel(x_ref, w_ref, seg_ref, dout_ref, dy_ref, dw_ref, *, width, length
         dout = inv * (dout - out * jnp.sum(out * dout, axis=1, keepdims=True))
     dy = dout * sig * (1.0 + y * (1.0 - sig))
     dy_ref[(b, *_out_block(tb, block_c))] = dy.astype(dy_ref.dtype)
-    part = b * pl.num_programs(1) + tb
+    tile = b * pl.num_programs(1) + tb
     for back, tap in enumerate(taps):
-        dw_ref[part, width - 1 - back, _out_block(tb, block_c)[1]] = jnp.sum(dy * tap, axis=0)
+        dw_ref[tile, width - 1 - back, _out_block(tb, block_c)[1]] = jnp.sum(dy * tap, axis=0)
 
 
-def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c):
+def _dx_kernel(w_ref, seg_ref, dy_ref, *dx_refs, width, length, block_c, part):
     """``dx`` on the tile: each later output's gradient through the tap that reads these rows
-    (any norm is behind ``dy`` already, so its tiles need no whole heads)."""
+    (any norm is behind ``dy`` already, so its tiles need no whole heads). ``dx_refs``: the
+    output, after the buffer it aliases when other parts' gradients are in it already (unread:
+    this kernel writes its own part alone)."""
+    dx_ref = dx_refs[-1]
     b, tb, rows, cols = _tile(block_c)
     seg_rows = _segment(seg_ref, b, rows, length)
     dx = jnp.zeros((BLOCK_T, block_c), F32)
@@ -182,7 +195,7 @@ def _dx_kernel(w_ref, seg_ref, dy_ref, dx_ref, *, width, length, block_c):
         same = (later < length) & (_segment(seg_ref, b, later, length) == seg_rows)
         dy = _rows(dy_ref, b, later, cols, length)
         dx = dx + jnp.where(same[:, None], dy, 0.0) * _tap(w_ref, width - 1 - ahead, cols)
-    dx_ref[(b, *_out_block(tb, block_c))] = dx.astype(dx_ref.dtype)
+    dx_ref[(b, *_out_block(tb, block_c, part))] = dx.astype(dx_ref.dtype)
 
 
 def _norm_args(norm) -> dict:
@@ -193,44 +206,56 @@ def _norm_args(norm) -> dict:
 
 
 def _call(kernel, shape, out_shape, *operands, interpret: bool, name: str, block_c=BLOCK_C,
-          **static):
-    """``kernel`` over the grid of ``[BLOCK_T, block_c]`` tiles of ``shape`` ``[B, T, C]``, with
-    the keywords ``static``. Its name ends in ``_l2`` when it normalises heads (``eps`` given),
-    then in ``_triton``, which is how the step profiler (``benchmarks/_trace.py``) tells these
-    kernels apart."""
-    b, t, c = shape
+          aliases=None, **static):
+    """``kernel`` over the grid of ``[BLOCK_T, block_c]`` tiles of ``shape`` ``[B, T, (P,) C]``,
+    with the keywords ``static`` (``aliases``: pallas_call's ``input_output_aliases``). Its name
+    ends in ``_l2`` when it normalises heads (``eps`` given), then in ``_triton``, which is how
+    the step profiler (``benchmarks/_trace.py``) tells these kernels apart."""
+    b, t, c = shape[0], shape[1], shape[-1]
     suffix = "_triton" if static.get("eps") is None else "_l2_triton"
     return pl.pallas_call(
         functools.partial(kernel, length=t, block_c=block_c, **static), out_shape=out_shape,
         grid=(b, t // BLOCK_T, c // block_c), name=name + suffix,
+        input_output_aliases=aliases or {},
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
     )(*operands)
 
 
-def conv_silu(x, w, segment_ids, *, norm=None, interpret: bool = False):
-    """``silu(y)`` for ``x [B, T, C]``, taps ``w [W, C]``, ``segment_ids [B, T]`` int -> ``[B, T,
-    C]`` in ``x.dtype`` (fp32 math, one rounding); with ``norm = (head_dim, eps)`` each head's
-    ``head_dim`` channels L2-normalised."""
-    check_args(x, w, segment_ids, head_dim=None if norm is None else norm[0])
-    return _call(_forward_kernel, x.shape, jax.ShapeDtypeStruct(x.shape, x.dtype), x, w,
+def conv_silu(x, w, segment_ids, *, norm=None, part=None, interpret: bool = False):
+    """``silu(y)`` for ``x [B, T, C]`` (or the ``part``-th projection of ``x [B, T, P, C]``),
+    taps ``w [W, C]``, ``segment_ids [B, T]`` int -> ``[B, T, C]`` in ``x.dtype`` (fp32 math, one
+    rounding); with ``norm = (head_dim, eps)`` each head's ``head_dim`` channels L2-normalised."""
+    check_args(x, w, segment_ids, head_dim=None if norm is None else norm[0], part=part)
+    b, t, c = x.shape[0], x.shape[1], x.shape[-1]
+    return _call(_forward_kernel, x.shape, jax.ShapeDtypeStruct((b, t, c), x.dtype), x, w,
                  segment_ids.astype(jnp.int32), interpret=interpret, name="conv_silu",
-                 width=w.shape[0], **_norm_args(norm))
+                 width=w.shape[0], part=part, **_norm_args(norm))
 
 
-def conv_silu_vjp(x, w, segment_ids, dout, *, norm=None, interpret: bool = False):
-    """``(dx [B, T, C] in x.dtype, dw_parts [B * T / BLOCK_T, W, C] fp32)`` for output gradient
-    ``dout`` of :func:`conv_silu` with the same ``norm``: ``dw`` is ``dw_parts.sum(0)``, one
-    partial sum per row tile."""
-    check_args(x, w, segment_ids, dout, head_dim=None if norm is None else norm[0])
-    (b, t, c), width = x.shape, w.shape[0]
+def conv_silu_vjp(x, w, segment_ids, dout, *, norm=None, part=None, dx_into=None,
+                  interpret: bool = False):
+    """``(dx, dw_parts [B * T / BLOCK_T, W, C] fp32)`` for output gradient ``dout [B, T, C]`` of
+    :func:`conv_silu` with the same ``norm`` and ``part``: ``dw`` is ``dw_parts.sum(0)``, one
+    partial sum per row tile. ``dx`` is like ``x``: for a ``part``, ``x [B, T, P, C]``'s gradient
+    with this projection's at ``part`` and the other parts ``dx_into``'s (an array like ``x``,
+    written in place: the parts' calls in turn fill one gradient) or unspecified."""
+    check_args(x, w, segment_ids, dout, head_dim=None if norm is None else norm[0], part=part)
+    if dx_into is not None and (part is None or dx_into.shape != x.shape
+                                or dx_into.dtype != x.dtype):
+        raise ValueError(f"conv_silu: dx_into must be like x {x.shape} {x.dtype} with part given, "
+                         f"got {dx_into.shape} {dx_into.dtype} and part={part!r}")
+    (b, t, c), width = dout.shape, w.shape[0]
     seg = segment_ids.astype(jnp.int32)
-    like_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    parts = jax.ShapeDtypeStruct((b * (t // BLOCK_T), width, c), F32)
-    dy, dw_parts = _call(_dy_kernel, x.shape, (like_x, parts), x, w, seg, dout,
-                         interpret=interpret, name="conv_silu_dy", width=width,
+    like_dout = jax.ShapeDtypeStruct(dout.shape, x.dtype)
+    tiles = jax.ShapeDtypeStruct((b * (t // BLOCK_T), width, c), F32)
+    dy, dw_parts = _call(_dy_kernel, x.shape, (like_dout, tiles), x, w, seg, dout,
+                         interpret=interpret, name="conv_silu_dy", width=width, part=part,
                          **_norm_args(norm))
-    dx = _call(_dx_kernel, x.shape, like_x, w, seg, dy, interpret=interpret, name="conv_silu_dx",
-               width=width)
+    operands, aliases = (w, seg, dy), None
+    if dx_into is not None:
+        operands, aliases = (*operands, dx_into), {3: 0}
+    dx = _call(_dx_kernel, x.shape, jax.ShapeDtypeStruct(x.shape, x.dtype), *operands,
+               interpret=interpret, name="conv_silu_dx", width=width, part=part, aliases=aliases)
     return dx, dw_parts
 
 

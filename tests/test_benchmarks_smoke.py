@@ -6,6 +6,7 @@ runs, and checks the lines carry the fields the docs read from them.
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -179,19 +180,23 @@ def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
     rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *TINY_MODEL[:4],
                  "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
                  "--batch", "1", "--seq", "64", "--parts", "kernels"])
-    kernels = {r["kernel"]: r for r in rows if "kernel" in r}
+    found = [r for r in rows if "kernel" in r]  # a kernel once per distinct signature
+    calls = collections.Counter()
+    for r in found:
+        calls[r["kernel"]] += r["calls"]
     kda = {f"kda_{part}" for part in (
         "cumsum_gates", "scores_fwd", "wy_fwd", "state_fwd", "state_bwd", "state_grads",
         "wy_bwd", "scores_bwd", "cumsum_bwd")}
+    # The convolutions' input gradients: the first part's into a new buffer, the others' into it.
     conv = {"conv_silu_l2_triton": 2, "conv_silu_triton": 1, "conv_silu_dy_l2_triton": 2,
             "conv_silu_dy_triton": 1, "conv_silu_dx_triton": 3}
-    assert set(kernels) == kda | set(conv), sorted(kernels)
-    assert {name: kernels[name]["calls"] for name in conv} == conv
-    assert all(kernels[name]["calls"] == 1 for name in kda)
-    assert all(r["module_chars"] > 0 and r["lower_s"] > 0 for r in kernels.values())
+    assert set(calls) == kda | set(conv), sorted(calls)
+    assert {name: calls[name] for name in conv} == conv
+    assert all(calls[name] == 1 for name in kda)
+    assert all(r["module_chars"] > 0 and r["lower_s"] > 0 for r in found)
     (total,) = [r for r in rows if "kernels" in r]
-    assert total["kernels"] == len(kernels) and total["compile_s"] is None  # nothing compiled
-    assert total["lower_s"] == pytest.approx(sum(r["lower_s"] for r in kernels.values()), abs=0.01)
+    assert total["kernels"] == len(found) and total["compile_s"] is None  # nothing compiled
+    assert total["lower_s"] == pytest.approx(sum(r["lower_s"] for r in found), abs=0.01)
 
 
 def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):

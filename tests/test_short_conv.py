@@ -19,7 +19,15 @@ import k3jax.parallel as kp
 from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
 from k3jax.ops.kda import L2_EPS
-from k3jax.ops.short_conv import conv_silu, conv_silu_kernels, conv_silu_step, kernel_conv_silu
+from k3jax.ops.short_conv import (
+    conv_silu,
+    conv_silu_kernels,
+    conv_silu_projection_kernels,
+    conv_silu_projections,
+    conv_silu_step,
+    kernel_conv_silu,
+    kernel_conv_silu_projections,
+)
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import short_conv as kernels
 
@@ -101,6 +109,32 @@ def test_kernels_keep_documents_apart():
             np.testing.assert_array_equal(np.asarray(ours)[:, rows], np.asarray(want)[:, rows])
 
 
+def test_projection_kernels_equal_each_projection_alone():
+    """Three projections of one ``[B, T, 3, C]`` product (two L2-normalised per head of 64, as q
+    and k): the kernels that read each in place, and the backward whose input-gradient kernels
+    fill one gradient in turn, give exactly each projection's own kernels' values and gradients
+    (interpreted), so no part's gradient overwrites another's."""
+    x, _, _ = _operands(2, 2 * BT, 3 * BC, 4, jnp.float32, seed=5)
+    x = x.reshape(2, 2 * BT, 3, BC)
+    ws = tuple(_operands(1, BT, BC, 4, jnp.float32, seed=6 + i)[1] for i in range(3))
+    douts = tuple(_operands(2, 2 * BT, BC, 4, jnp.float32, seed=9 + i)[2] for i in range(3))
+    seg = _segments(2, 2 * BT, 4, seed=2)
+    norms = ((64, L2_EPS), (64, L2_EPS), None)
+    interpret = not hopper_gpus()
+
+    def merged(x, ws):
+        return kernel_conv_silu_projections(x, ws, seg, norms, interpret)
+
+    def apart(x, ws):
+        return tuple(kernel_conv_silu(x[:, :, i], w, seg, norm, interpret)
+                     for i, (w, norm) in enumerate(zip(ws, norms)))
+
+    run = jax.jit(lambda f, x, ws: (lambda out, vjp: (out, vjp(douts)))(*jax.vjp(f, x, ws)),
+                  static_argnums=0)
+    for ours, want in zip(jax.tree.leaves(run(merged, x, ws)), jax.tree.leaves(run(apart, x, ws))):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))
+
+
 def test_kernels_lower_for_an_h200():
     """The kernels' path as the model runs it (jitted launchers, custom VJP) passes Triton's
     lowering for an H200 at k3_small's shape; the tests above run the kernels in the
@@ -117,6 +151,64 @@ def test_kernels_lower_for_an_h200():
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 6  # each: a forward kernel, two backward ones
+
+
+def test_projection_kernels_run_on_each_devices_own_rows():
+    """Under a mesh of 8 devices the projections' kernels run per device and give one device's
+    values and gradients (the taps' summed over the devices), to fp32 round-off (FP32_TOL)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    mesh_cfg = MeshConfig(data=4, tensor=2)
+    x, _, _ = _operands(8, BT, 2 * BC, 4, jnp.float32, seed=11)
+    x = x.reshape(8, BT, 2, BC)
+    ws = tuple(_operands(1, BT, BC, 4, jnp.float32, seed=12 + i)[1] for i in range(2))
+    douts = tuple(_operands(8, BT, BC, 4, jnp.float32, seed=14 + i)[2] for i in range(2))
+    seg = _segments(8, BT, 3, seed=13)
+    norms = ((64, L2_EPS), None)
+
+    def run(x, ws):
+        outs, vjp = jax.vjp(lambda x, ws: conv_silu_projection_kernels(
+            x, ws, seg, norms, not hopper_gpus()), x, ws)
+        return outs, vjp(douts)
+
+    one = jax.jit(run)(x, ws)
+    with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
+        lowered = jax.jit(run).lower(x, ws)
+        many = lowered.compile()(x, ws)
+    assert "sdy.manual_computation" in lowered.as_text()
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+        assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
+
+
+def test_projection_kernels_lower_for_an_h200():
+    """KDA's q, k and v convolutions as the layer runs them from one ``[B, T, 3, C]`` product
+    pass Triton's lowering for an H200 at k3_small's shape: three forward kernels and two
+    backward ones a projection, the input-gradient kernels writing one buffer in turn."""
+    x = jax.ShapeDtypeStruct((2, 2048, 3, 768), jnp.bfloat16)
+    ws = (jax.ShapeDtypeStruct((4, 768), jnp.float32),) * 3
+    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
+
+    def loss(x, ws, seg):
+        outs, _ = conv_silu_projections(x, ws, seg, impl="pallas", head_dims=(128, 128, None))
+        return sum(jnp.sum(out.astype(jnp.float32) ** 2) for out in outs)
+
+    with hopper_target():
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ws, seg).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 9
+
+
+def test_projections_name_a_bad_argument():
+    x = jnp.zeros((1, BT, 3, BC), jnp.bfloat16)
+    w, seg = jnp.zeros((4, BC)), jnp.zeros((1, BT), jnp.int32)
+    with pytest.raises(ValueError, match="P = len"):
+        conv_silu_projections(x, (w, w), seg)
+    with pytest.raises(ValueError, match="part must index"):
+        kernels.check_args(x, w, seg, part=3)
+    with pytest.raises(ValueError, match="with part given"):
+        kernels.check_args(x[:, :, 0], w, seg, part=0)
+    with pytest.raises(ValueError, match="dx_into must be like x"):
+        kernels.conv_silu_vjp(x, w, seg, x[:, :, 0], part=0, dx_into=x[:, :, :2])
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],

@@ -20,7 +20,7 @@ from k3jax.layers.param import normal, param_init
 from k3jax.ops.fp32_projection import fp32_product, fp32_projection
 from k3jax.ops.kda import kda, kda_decode
 from k3jax.ops.kda_gate import kda_gate
-from k3jax.ops.short_conv import conv_silu, conv_silu_step
+from k3jax.ops.short_conv import conv_silu_projections, conv_silu_step
 
 
 class KDACache(NamedTuple):
@@ -130,14 +130,13 @@ class KDALayer(nn.Module):
         asked)."""
         k = self.cfg.kda
         x = x.astype(jnp.dtype(self.cfg.dtype))
-        convs = []
-        for name, w_proj, w_conv, head_dim in (("conv_q", self.w_q, self.conv_q, k.head_dim),
-                                               ("conv_k", self.w_k, self.conv_k, k.head_dim),
-                                               ("conv_v", self.w_v, self.conv_v, None)):
-            state = None if cache is None else getattr(cache, name)
-            convs.append(conv_silu(x @ self._cast(w_proj), w_conv, segment_ids, state, k.impl,
-                                   head_dim))  # q and k come L2-normalised per head
-        (q, cq), (kk, ck), (v, cv) = convs
+        # q, k and v as one [B, T, 3, H K] product: its input's gradient is then one product too.
+        qkv = jnp.einsum("...d,dpc->...pc", x,
+                         self._cast(jnp.stack([self.w_q, self.w_k, self.w_v], axis=1)))
+        states = None if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+        (q, kk, v), (cq, ck, cv) = conv_silu_projections(
+            qkv, (self.conv_q, self.conv_k, self.conv_v), segment_ids, states, k.impl,
+            (k.head_dim, k.head_dim, None))  # q and k come L2-normalised per head
         gate, gate_bias, beta = self._gates(x)
         o, final = kda(self._heads(q), self._heads(kk), self._heads(v), gate, beta,
                        initial_state=None if cache is None else cache.state,

@@ -160,7 +160,75 @@ kernel_conv_silu.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def _launcher(name: str):
-    return launcher("short_conv", name, ("norm",))
+    return launcher("short_conv", name, ("norm", "part"))
+
+
+def conv_silu_projections(x: jax.Array, ws: tuple, segment_ids: jax.Array | None = None,
+                          states: tuple | None = None, impl: str = "auto",
+                          head_dims: tuple | None = None) -> tuple[tuple, tuple]:
+    """:func:`conv_silu` of each of ``P`` projections computed as one product, ``x [B, T, P, C]``,
+    with taps ``ws[p] [W, C]``, states ``states[p]`` (or None) and ``head_dims[p]`` ->
+    ``(activations, new_states)``, ``P`` of each.
+
+    On the kernels' path (a sequence from its start, as :func:`conv_silu` decides) the kernels
+    read each projection in place and the backward writes one ``[B, T, P, C]`` gradient (each
+    part's input-gradient kernel into the buffer the previous one wrote), so the product's input
+    gradient is one product. Elsewhere each part is :func:`conv_silu` of its slice."""
+    p = x.shape[2] if x.ndim == 4 else 0
+    if len(ws) != p:
+        raise ValueError(f"conv_silu_projections: x must be [B, T, P, C] with P = len(ws) = "
+                         f"{len(ws)}, got shape {x.shape}")
+    head_dims = (None,) * p if head_dims is None else tuple(head_dims)
+    if states is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
+        from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
+
+        docs = (jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None
+                else document_index(segment_ids))
+        if impl == "pallas" or all(short_conv.supports(x, w, docs, hd, part)
+                                   for part, (w, hd) in enumerate(zip(ws, head_dims))):
+            norms = tuple(None if hd is None else (hd, L2_EPS) for hd in head_dims)
+            acts = conv_silu_projection_kernels(x, tuple(ws), docs, norms)
+            return acts, tuple(_with_state(x[:, :, i], None, w.shape[0])[:, x.shape[1]:]
+                               for i, w in enumerate(ws))
+    outs = [conv_silu(x[:, :, i], w, segment_ids, None if states is None else states[i], impl, hd)
+            for i, (w, hd) in enumerate(zip(ws, head_dims))]
+    return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
+
+
+def conv_silu_projection_kernels(x, ws, segment_ids, norms, interpret: bool = False) -> tuple:
+    """:func:`kernel_conv_silu_projections` (same arguments) with each device on its own rows of
+    the batch (:func:`~k3jax.ops.per_device.on_own_rows`)."""
+    return on_own_rows(
+        lambda x, ws, seg: kernel_conv_silu_projections(x, ws, seg, norms, interpret), x.shape[0],
+        lambda rows: (P(rows), P(), P(rows)), lambda rows: P(rows))(x, ws, segment_ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def kernel_conv_silu_projections(x, ws, segment_ids, norms, interpret: bool = False) -> tuple:
+    """:func:`conv_silu_projections`' kernel path: ``x [B, T, P, C]``, ``ws`` ``P`` taps ``[W,
+    C]``, ``segment_ids [B, T]`` document numbers (as :func:`kernel_conv_silu`), ``norms`` ``P``
+    of ``(head_dim, eps)`` or None -> ``P`` activations ``[B, T, C]``."""
+    return tuple(_launcher("conv_silu")(x, w, segment_ids, norm=norm, part=part,
+                                        interpret=interpret)
+                 for part, (w, norm) in enumerate(zip(ws, norms)))
+
+
+def _projections_fwd(x, ws, segment_ids, norms, interpret):
+    return kernel_conv_silu_projections(x, ws, segment_ids, norms, interpret), (x, ws, segment_ids)
+
+
+def _projections_bwd(norms, interpret, res, douts):
+    x, ws, segment_ids = res
+    dx, dws = None, []
+    for part, (w, norm, dout) in enumerate(zip(ws, norms, douts)):
+        dx, dw_parts = _launcher("conv_silu_vjp")(x, w, segment_ids, dout.astype(x.dtype),
+                                                  norm=norm, part=part, dx_into=dx,
+                                                  interpret=interpret)
+        dws.append(jnp.sum(dw_parts, axis=0).astype(w.dtype))
+    return dx, tuple(dws), None
+
+
+kernel_conv_silu_projections.defvjp(_projections_fwd, _projections_bwd)
 
 
 def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int | None = None
@@ -176,4 +244,6 @@ def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int |
     return _activate(y[:, 0], head_dim).astype(x.dtype), new_state
 
 
-__all__ = ["conv_silu", "conv_silu_kernels", "conv_silu_step", "kernel_conv_silu"]
+__all__ = ["conv_silu", "conv_silu_kernels", "conv_silu_projection_kernels",
+           "conv_silu_projections", "conv_silu_step", "kernel_conv_silu",
+           "kernel_conv_silu_projections"]
