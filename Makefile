@@ -117,7 +117,8 @@ test-gpu:
 	@$(RECORD_ENV)
 	set -o pipefail; $(GPU_ENV) PYTHONPATH=$(CURDIR) JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_pallas_kda_gpu.py \
 	  tests/test_grouped_matmul_gpu.py tests/test_ep_dispatch_gpu.py tests/test_attention.py \
-	  tests/test_short_conv.py tests/test_depth_mix_norm.py tests/test_glu_pair.py 2>&1 | tee $(BENCH_OUT)/test_gpu.log
+	  tests/test_short_conv.py tests/test_depth_mix_norm.py tests/test_glu_pair.py \
+	  tests/test_gated_head_norm.py 2>&1 | tee $(BENCH_OUT)/test_gpu.log
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
