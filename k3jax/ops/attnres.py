@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.devices import hopper_gpus
-from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.kernel_launch import launcher, takes_kernels
 from k3jax.ops.per_device import on_own_rows, rows_per_device
 from k3jax.ops.rms_norm import rms_norm
 
@@ -199,16 +198,13 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
         raise ValueError(f"depth_mix_norm: impl={impl!r} is invalid: expected one of "
                          f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
     sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
-    if impl == "pallas" or (impl == "auto" and hopper_gpus()):
-        from pallas_kernels import depth_mix_norm as kernels  # lazy: GPU-only modules
-
-        valid = valid.astype(jnp.int32)[None]
-        b, t, d = sources[0].shape
-        rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
-        u = jax.ShapeDtypeStruct((d,), _F32)  # the folded query's shape: nothing traced to ask
-        if impl == "pallas" or kernels.supports(rows, u, scale, valid):  # they check
-            return depth_mix_norm_kernels(sources, w, g, scale, valid,
-                                          (float(eps), float(norm_eps)))
+    b, t, d = sources[0].shape
+    rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
+    u = jax.ShapeDtypeStruct((d,), _F32)  # the folded query's shape: nothing traced to ask
+    valid_row = jax.ShapeDtypeStruct((1,), jnp.int32)
+    if takes_kernels(impl, "depth_mix_norm", rows, u, scale, valid_row):
+        return depth_mix_norm_kernels(sources, w, g, scale, valid.astype(jnp.int32)[None],
+                                      (float(eps), float(norm_eps)))
     h, alpha = _depth_mix(float(eps), sources, valid, w, g)
     return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2))
 

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.devices import hopper_gpus
-from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.kernel_launch import launcher, takes_kernels
 from k3jax.ops.per_device import on_own_rows
 from k3jax.ops.rms_norm import rms_norm
 
@@ -48,17 +47,10 @@ def gated_head_norm(o: jax.Array, g: jax.Array, w: jax.Array, eps: float, out_dt
 
 
 def _takes_kernel(o, g, w, impl: str) -> bool:
-    if impl == "reference" or (impl == "auto" and not hopper_gpus()):
-        return False
-    from pallas_kernels import gated_head_norm  # lazy: GPU-only modules stay out of CPU imports
-
     rows = (math.prod(o.shape[:-2]), *o.shape[-2:])
-    shapes = (jax.ShapeDtypeStruct(rows, o.dtype), jax.ShapeDtypeStruct(rows, g.dtype), w,
-              jax.ShapeDtypeStruct(rows, o.dtype))
-    if impl == "pallas":
-        gated_head_norm.check_args(*shapes)
-        return True
-    return gated_head_norm.supports(*shapes)
+    return takes_kernels(impl, "gated_head_norm", jax.ShapeDtypeStruct(rows, o.dtype),
+                         jax.ShapeDtypeStruct(rows, g.dtype), w,
+                         jax.ShapeDtypeStruct(rows, o.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.devices import hopper_gpus
 from k3jax.ops.activations import GLUSpec
-from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.kernel_launch import launcher, takes_kernels
 from k3jax.ops.per_device import on_own_rows
 
 IMPLS = ("auto", "pallas", "reference")
@@ -45,19 +44,11 @@ def glu_of_pair(pair: jax.Array, act: GLUSpec, impl: str = "auto",
 
 
 def _takes_kernel(pair, impl: str) -> bool:
-    """Whether the backward runs the kernel: always for ``"pallas"`` (after the kernel's own
-    argument checks, so a call it cannot take fails here, not when differentiated), and for
-    ``"auto"`` where it can run."""
-    if impl == "reference" or (impl == "auto" and not hopper_gpus()):
-        return False
-    from pallas_kernels import glu_pair  # lazy: GPU-only modules stay out of CPU imports
-
+    """Whether the backward runs the kernel (for ``"pallas"`` the kernel's argument checks run
+    here, so a call it cannot take fails now, not when differentiated)."""
     n, m = math.prod(pair.shape[:-2]), pair.shape[-1]
-    rows = jax.ShapeDtypeStruct((n, 2, m), pair.dtype), jax.ShapeDtypeStruct((n, m), pair.dtype)
-    if impl == "pallas":
-        glu_pair.check_args(*rows)
-        return True
-    return glu_pair.supports(*rows)
+    return takes_kernels(impl, "glu_pair", jax.ShapeDtypeStruct((n, 2, m), pair.dtype),
+                         jax.ShapeDtypeStruct((n, m), pair.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
