@@ -7,7 +7,6 @@ pytest -q tests/test_short_conv.py``).
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -21,11 +20,9 @@ from k3jax.devices import hopper_gpus, hopper_target
 from k3jax.ops.kda import L2_EPS
 from k3jax.ops.short_conv import (
     conv_silu,
-    conv_silu_kernels,
     conv_silu_projection_kernels,
     conv_silu_projections,
     conv_silu_step,
-    kernel_conv_silu,
     kernel_conv_silu_projections,
 )
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
@@ -55,14 +52,20 @@ def _operands(b, t, c, width, dtype, seed=0):
     return x.astype(dtype), w, dout.astype(dtype)
 
 
+def _one_projection(x, w, seg, head_dim=None, interpret=False):
+    """The kernels on ``x [B, T, C]`` as a product of one projection, as :func:`conv_silu` runs
+    them."""
+    norm = None if head_dim is None else (head_dim, L2_EPS)
+    return kernel_conv_silu_projections(x[:, :, None], (w,), seg, (norm,), interpret)[0]
+
+
 def _values_and_grads(x, w, seg, dout, path, head_dim=None):
     """``(out, dx, dw)`` of one path: ``"kernels"`` (interpreted on the CPU) or ``"formula"``;
     with ``head_dim`` each head's activation L2-normalised."""
     def f(x, w):
         if path == "formula":
             return conv_silu(x, w, seg, impl="reference", head_dim=head_dim)[0]
-        norm = None if head_dim is None else (head_dim, L2_EPS)
-        return kernel_conv_silu(x, w, seg, norm, not hopper_gpus())
+        return _one_projection(x, w, seg, head_dim, not hopper_gpus())
 
     out, vjp = jax.vjp(f, x, w)
     return (out, *vjp(dout))
@@ -126,58 +129,13 @@ def test_projection_kernels_equal_each_projection_alone():
         return kernel_conv_silu_projections(x, ws, seg, norms, interpret)
 
     def apart(x, ws):
-        return tuple(kernel_conv_silu(x[:, :, i], w, seg, norm, interpret)
+        return tuple(_one_projection(x[:, :, i], w, seg, norm and norm[0], interpret)
                      for i, (w, norm) in enumerate(zip(ws, norms)))
 
     run = jax.jit(lambda f, x, ws: (lambda out, vjp: (out, vjp(douts)))(*jax.vjp(f, x, ws)),
                   static_argnums=0)
     for ours, want in zip(jax.tree.leaves(run(merged, x, ws)), jax.tree.leaves(run(apart, x, ws))):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))
-
-
-def test_kernels_lower_for_an_h200():
-    """The kernels' path as the model runs it (jitted launchers, custom VJP) passes Triton's
-    lowering for an H200 at k3_small's shape; the tests above run the kernels in the
-    interpreter."""
-    x = jax.ShapeDtypeStruct((2, 2048, 768), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((4, 768), jnp.float32)
-    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
-
-    def loss(x, w, seg):  # v's convolution and q's (L2-normalised per head)
-        outs = kernel_conv_silu(x, w, seg), kernel_conv_silu(x, w, seg, (128, L2_EPS))
-        return sum(jnp.sum(out.astype(jnp.float32) ** 2) for out in outs)
-
-    with hopper_target():
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, seg).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 6  # each: a forward kernel, two backward ones
-
-
-def test_projection_kernels_run_on_each_devices_own_rows():
-    """Under a mesh of 8 devices the projections' kernels run per device and give one device's
-    values and gradients (the taps' summed over the devices), to fp32 round-off (FP32_TOL)."""
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 (simulated) devices")
-    mesh_cfg = MeshConfig(data=4, tensor=2)
-    x, _, _ = _operands(8, BT, 2 * BC, 4, jnp.float32, seed=11)
-    x = x.reshape(8, BT, 2, BC)
-    ws = tuple(_operands(1, BT, BC, 4, jnp.float32, seed=12 + i)[1] for i in range(2))
-    douts = tuple(_operands(8, BT, BC, 4, jnp.float32, seed=14 + i)[2] for i in range(2))
-    seg = _segments(8, BT, 3, seed=13)
-    norms = ((64, L2_EPS), None)
-
-    def run(x, ws):
-        outs, vjp = jax.vjp(lambda x, ws: conv_silu_projection_kernels(
-            x, ws, seg, norms, not hopper_gpus()), x, ws)
-        return outs, vjp(douts)
-
-    one = jax.jit(run)(x, ws)
-    with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
-        lowered = jax.jit(run).lower(x, ws)
-        many = lowered.compile()(x, ws)
-    assert "sdy.manual_computation" in lowered.as_text()
-    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
-        assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
 
 
 def test_projection_kernels_lower_for_an_h200():
@@ -215,23 +173,27 @@ def test_projections_name_a_bad_argument():
                          ids=["data4_tensor2", "data2_fsdp4"])
 def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):
     """Under a mesh of 8 devices the kernels run per device (``shard_map`` over the batch axes;
-    GSPMD would run the whole batch on every device): the same output and gradients (the taps'
-    summed over the devices) as on one device, to fp32 round-off (FP32_TOL)."""
+    GSPMD would run the whole batch on every device): two projections of one product (the first
+    L2-normalised per head of 64) give one device's values and gradients (the taps' summed over
+    the devices), to fp32 round-off (FP32_TOL)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (simulated) devices")
-    x, w, dout = _operands(8, BT, BC, 4, jnp.float32, seed=9)
-    seg = _segments(8, BT, 3, seed=10)
+    x, _, _ = _operands(8, BT, 2 * BC, 4, jnp.float32, seed=11)
+    x = x.reshape(8, BT, 2, BC)
+    ws = tuple(_operands(1, BT, BC, 4, jnp.float32, seed=12 + i)[1] for i in range(2))
+    douts = tuple(_operands(8, BT, BC, 4, jnp.float32, seed=14 + i)[2] for i in range(2))
+    seg = _segments(8, BT, 3, seed=13)
+    norms = ((64, L2_EPS), None)
 
-    def run(x, w, seg):
-        out, vjp = jax.vjp(lambda x, w: conv_silu_kernels(x, w, seg, None, not hopper_gpus()),
-                           x, w)
-        return out, vjp(dout)
+    def run(x, ws):
+        outs, vjp = jax.vjp(lambda x, ws: conv_silu_projection_kernels(
+            x, ws, seg, norms, not hopper_gpus()), x, ws)
+        return outs, vjp(douts)
 
-    one = jax.jit(run)(x, w, seg)
-    per_device = jax.jit(functools.partial(run))  # traced afresh under the mesh
+    one = jax.jit(run)(x, ws)
     with kp.use_mesh(kp.make_mesh(mesh_cfg), mesh_cfg.rules):
-        lowered = per_device.lower(x, w, seg)
-        many = lowered.compile()(x, w, seg)
+        lowered = jax.jit(run).lower(x, ws)  # traced afresh under the mesh
+        many = lowered.compile()(x, ws)
     assert "sdy.manual_computation" in lowered.as_text()  # it did run per device
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
         assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
@@ -259,7 +221,7 @@ def test_kernels_reject_bad_taps_and_ids():
     with pytest.raises(ValueError, match="segment_ids must be integer"):
         conv_silu(x, jnp.zeros((4, BC)), jnp.zeros((2, BT + 1), jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        conv_silu(x, jnp.zeros((4, BC)), impl="pallas", head_dim=48)
+        conv_silu(x, jnp.zeros((4, BC)), impl="pallas", head_dim=32)  # divides C: the kernels' own
 
 
 @pytest.mark.parametrize("change,expected", [

@@ -4,11 +4,13 @@ The weight ``[W, C]`` applies ``w[W-1]`` to the current token and ``w[W-1-i]`` t
 steps back. A tap never reads across a segment boundary, so packed documents stay independent.
 The decode state holds the last ``W-1`` inputs ``[B, W-1, C]``, oldest first.
 
-:func:`conv_silu` is what the layer runs: the convolution and its SiLU in fp32 (for q and k also
-the per-head L2 norm of step 3), rounded once. On a Hopper GPU a sequence from its start (no
-state) takes the Triton kernels of :mod:`pallas_kernels.short_conv` forward and backward;
-otherwise, and with ``impl="reference"``, the formula below under JAX's autodiff, which is also the
-kernels' reference.
+:func:`conv_silu` is the convolution and its SiLU in fp32 (for q and k also the per-head L2 norm
+of step 3), rounded once; :func:`conv_silu_projections`, what the layer runs, is that of each
+projection of one ``[B, T, P, C]`` product. On a Hopper GPU a sequence from its start (no state)
+takes the Triton kernels of :mod:`pallas_kernels.short_conv` forward and backward, which read each
+projection in place (a lone ``[B, T, C]`` input is one projection); otherwise, and with
+``impl="reference"``, the formula below under JAX's autodiff, which is also the kernels'
+reference.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.devices import hopper_gpus
 from k3jax.ops.documents import document_index
 from k3jax.ops.kda import L2_EPS, l2_normalize
-from k3jax.ops.kernel_launch import launcher
+from k3jax.ops.kernel_launch import launcher, takes_kernels
 from k3jax.ops.per_device import on_own_rows
 
 F32 = jnp.float32
@@ -76,17 +77,11 @@ def conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
     Returns:
       The activation and ``new_state``, the last ``W-1`` inputs.
     """
-    # Both paths mask a tap by equal numbers: documents', not ids (which may come back).
-    if state is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
-        from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
-
-        docs = (jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None
-                else document_index(segment_ids))
-        if impl == "pallas" or short_conv.supports(x, w, docs, head_dim):  # the kernels check
-            norm = None if head_dim is None else (head_dim, L2_EPS)
-            return (conv_silu_kernels(x, w, docs, norm),
-                    _with_state(x, None, w.shape[0])[:, x.shape[1]:])
     _check_formula_args("conv_silu", x, w, state, head_dim, segment_ids)
+    if state is None and _takes_kernels(x[:, :, None], (w,), impl, (head_dim,)):
+        (out,), (new_state,) = _on_kernels(x[:, :, None], (w,), segment_ids, (head_dim,))
+        return out, new_state
+    # Both paths mask a tap by equal numbers: documents', not ids (which may come back).
     docs = None if segment_ids is None else document_index(segment_ids)
     y, new_state = _conv32(x, w, docs, state)
     return _activate(y, head_dim).astype(x.dtype), new_state
@@ -126,39 +121,6 @@ def _activate(y32: jax.Array, head_dim: int | None) -> jax.Array:
     return out.reshape(*out.shape[:-2], -1)
 
 
-def conv_silu_kernels(x, w, segment_ids, norm=None, interpret: bool = False) -> jax.Array:
-    """:func:`kernel_conv_silu` (same arguments) with each device on its own rows of the batch
-    (:func:`~k3jax.ops.per_device.on_own_rows`)."""
-    return on_own_rows(lambda x, w, seg: kernel_conv_silu(x, w, seg, norm, interpret), x.shape[0],
-                       lambda rows: (P(rows), P(), P(rows)), lambda rows: P(rows))(
-        x, w, segment_ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def kernel_conv_silu(x, w, segment_ids, norm=None, interpret: bool = False):
-    """:func:`conv_silu`'s kernel path for a sequence from its start, with the kernels'
-    gradients (``segment_ids [B, T]`` int, required: document numbers, e.g. from
-    :func:`~k3jax.ops.documents.document_index`, as the kernels mask a tap by equal numbers and
-    would join two runs of an id that comes back). ``norm``: ``(head_dim, eps)`` to
-    L2-normalise each head, or None. ``interpret``: run the kernels in Pallas's interpreter (CPU
-    tests)."""
-    return _launcher("conv_silu")(x, w, segment_ids, norm=norm, interpret=interpret)
-
-
-def _kernel_fwd(x, w, segment_ids, norm, interpret):
-    return kernel_conv_silu(x, w, segment_ids, norm, interpret), (x, w, segment_ids)
-
-
-def _kernel_bwd(norm, interpret, res, dout):
-    x, w, segment_ids = res
-    dx, dw_parts = _launcher("conv_silu_vjp")(x, w, segment_ids, dout.astype(x.dtype),
-                                              norm=norm, interpret=interpret)
-    return dx, jnp.sum(dw_parts, axis=0).astype(w.dtype), None
-
-
-kernel_conv_silu.defvjp(_kernel_fwd, _kernel_bwd)
-
-
 def _launcher(name: str):
     return launcher("short_conv", name, ("norm", "part"))
 
@@ -179,20 +141,29 @@ def conv_silu_projections(x: jax.Array, ws: tuple, segment_ids: jax.Array | None
         raise ValueError(f"conv_silu_projections: x must be [B, T, P, C] with P = len(ws) = "
                          f"{len(ws)}, got shape {x.shape}")
     head_dims = (None,) * p if head_dims is None else tuple(head_dims)
-    if states is None and (impl == "pallas" or (impl == "auto" and hopper_gpus())):
-        from pallas_kernels import short_conv  # lazy: GPU-only modules stay out of CPU imports
-
-        docs = (jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None
-                else document_index(segment_ids))
-        if impl == "pallas" or all(short_conv.supports(x, w, docs, hd, part)
-                                   for part, (w, hd) in enumerate(zip(ws, head_dims))):
-            norms = tuple(None if hd is None else (hd, L2_EPS) for hd in head_dims)
-            acts = conv_silu_projection_kernels(x, tuple(ws), docs, norms)
-            return acts, tuple(_with_state(x[:, :, i], None, w.shape[0])[:, x.shape[1]:]
-                               for i, w in enumerate(ws))
+    if states is None and _takes_kernels(x, tuple(ws), impl, head_dims):
+        return _on_kernels(x, tuple(ws), segment_ids, head_dims)
     outs = [conv_silu(x[:, :, i], w, segment_ids, None if states is None else states[i], impl, hd)
             for i, (w, hd) in enumerate(zip(ws, head_dims))]
     return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
+
+
+def _takes_kernels(x, ws, impl, head_dims) -> bool:
+    """Whether the kernels convolve every projection of ``x [B, T, P, C]`` (a sequence from its
+    start): :func:`~k3jax.ops.kernel_launch.takes_kernels` for each part."""
+    docs = jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
+    return all(takes_kernels(impl, "short_conv", x, w, docs, head_dim=hd, part=part)
+               for part, (w, hd) in enumerate(zip(ws, head_dims)))
+
+
+def _on_kernels(x, ws, segment_ids, head_dims) -> tuple[tuple, tuple]:
+    """``(activations, new_states)`` of each projection of ``x [B, T, P, C]`` by the kernels."""
+    docs = (jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None
+            else document_index(segment_ids))
+    norms = tuple(None if hd is None else (hd, L2_EPS) for hd in head_dims)
+    return (conv_silu_projection_kernels(x, ws, docs, norms),
+            tuple(_with_state(x[:, :, i], None, w.shape[0])[:, x.shape[1]:]
+                  for i, w in enumerate(ws)))
 
 
 def conv_silu_projection_kernels(x, ws, segment_ids, norms, interpret: bool = False) -> tuple:
@@ -206,8 +177,11 @@ def conv_silu_projection_kernels(x, ws, segment_ids, norms, interpret: bool = Fa
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def kernel_conv_silu_projections(x, ws, segment_ids, norms, interpret: bool = False) -> tuple:
     """:func:`conv_silu_projections`' kernel path: ``x [B, T, P, C]``, ``ws`` ``P`` taps ``[W,
-    C]``, ``segment_ids [B, T]`` document numbers (as :func:`kernel_conv_silu`), ``norms`` ``P``
-    of ``(head_dim, eps)`` or None -> ``P`` activations ``[B, T, C]``."""
+    C]``, ``segment_ids [B, T]`` int, required: document numbers, e.g. from
+    :func:`~k3jax.ops.documents.document_index`, as the kernels mask a tap by equal numbers and
+    would join two runs of an id that comes back; ``norms`` ``P`` of ``(head_dim, eps)`` to
+    L2-normalise each head, or None -> ``P`` activations ``[B, T, C]``. ``interpret``: run the
+    kernels in Pallas's interpreter (CPU tests)."""
     return tuple(_launcher("conv_silu")(x, w, segment_ids, norm=norm, part=part,
                                         interpret=interpret)
                  for part, (w, norm) in enumerate(zip(ws, norms)))
@@ -244,6 +218,5 @@ def conv_silu_step(x: jax.Array, w: jax.Array, state: jax.Array, head_dim: int |
     return _activate(y[:, 0], head_dim).astype(x.dtype), new_state
 
 
-__all__ = ["conv_silu", "conv_silu_kernels", "conv_silu_projection_kernels",
-           "conv_silu_projections", "conv_silu_step", "kernel_conv_silu",
+__all__ = ["conv_silu", "conv_silu_projection_kernels", "conv_silu_projections", "conv_silu_step",
            "kernel_conv_silu_projections"]
