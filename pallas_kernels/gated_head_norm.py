@@ -29,7 +29,7 @@ HEAD_DIMS = (64, 128, 256)  # a program holds one head's channels: a power of tw
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def check_args(o, g, w, dy, block_rows: int = BLOCK_ROWS) -> None:
+def check_args(o, g, w, dy) -> None:
     """ValueError naming the argument when the kernel cannot take the call."""
     if o.ndim != 3 or o.shape[2] not in HEAD_DIMS:
         raise ValueError(f"gated_head_norm_vjp: o must be [N, H, V] with V in {HEAD_DIMS}, got "
@@ -40,8 +40,8 @@ def check_args(o, g, w, dy, block_rows: int = BLOCK_ROWS) -> None:
                              f"float32, got {a.shape} {a.dtype}")
     if w.shape != (o.shape[2],):
         raise ValueError(f"gated_head_norm_vjp: w must be [V={o.shape[2]}], got {w.shape}")
-    if o.shape[0] % block_rows:
-        raise ValueError(f"gated_head_norm_vjp: the kernel needs N % {block_rows} == 0, got "
+    if o.shape[0] % BLOCK_ROWS:
+        raise ValueError(f"gated_head_norm_vjp: the kernel needs N % {BLOCK_ROWS} == 0, got "
                          f"N={o.shape[0]}")
 
 
@@ -66,26 +66,23 @@ def _kernel(o_ref, g_ref, w_ref, dy_ref, do_ref, dg_ref, dw_ref, *, eps):
     dw_ref[0, 0, :] = jnp.sum(dy * n * s, axis=0)
 
 
-def gated_head_norm_vjp(o, g, w, dy, *, eps: float,
-                        tiling: tuple[int, int] = (BLOCK_ROWS, NUM_WARPS),
-                        interpret: bool = False):
-    """``(do, dg, dw_parts [N / rows, H, V] fp32)`` for the output gradient ``dy`` of
+def gated_head_norm_vjp(o, g, w, dy, *, eps: float, interpret: bool = False):
+    """``(do, dg, dw_parts [N / BLOCK_ROWS, H, V] fp32)`` for the output gradient ``dy`` of
     ``RMSNorm_head(o) * w * sigmoid(g)`` (``o``, ``g``, ``dy`` ``[N, H, V]``; ``w [V]``): ``do``
-    and ``dg`` in ``o``'s and ``g``'s dtypes, ``dw`` is ``dw_parts.sum((0, 1))``. ``tiling``: a
-    program's rows and warps. ``interpret``: run in Pallas's interpreter (CPU tests)."""
-    rows, warps = tiling
-    check_args(o, g, w, dy, rows)
+    and ``dg`` in ``o``'s and ``g``'s dtypes, ``dw`` is ``dw_parts.sum((0, 1))``.
+    ``interpret``: run in Pallas's interpreter (CPU tests)."""
+    check_args(o, g, w, dy)
     n, h, v = o.shape
-    block = pl.BlockSpec((rows, 1, v), lambda i, j: (i, j, 0))
+    block = pl.BlockSpec((BLOCK_ROWS, 1, v), lambda i, j: (i, j, 0))
     return pl.pallas_call(
         lambda *refs: _kernel(*refs, eps=eps),
         out_shape=(jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                   jax.ShapeDtypeStruct((n // rows, h, v), F32)),
-        grid=(n // rows, h),
+                   jax.ShapeDtypeStruct((n // BLOCK_ROWS, h, v), F32)),
+        grid=(n // BLOCK_ROWS, h),
         in_specs=[block, block, pl.BlockSpec((v,), lambda i, j: (0,)), block],
         out_specs=(block, block, pl.BlockSpec((1, 1, v), lambda i, j: (i, j, 0))),
         name="gated_head_norm_vjp_triton",
-        compiler_params=plt.CompilerParams(num_warps=warps), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS), interpret=interpret,
     )(o, g, w, dy)
 
 
