@@ -44,7 +44,7 @@ from k3jax.config import ModelConfig, MoEConfig  # noqa: E402
 from k3jax.config.mesh import MeshConfig  # noqa: E402
 from k3jax.layers.moe import MoEBlock  # noqa: E402
 from k3jax.model import SCANNED_COLLECTIONS  # noqa: E402
-from k3jax.ops.activations import GLUSpec
+from k3jax.ops.activations import GLUSpec  # noqa: E402
 from k3jax.ops.balancing import update_balance  # noqa: E402
 from k3jax.ops.ep_dispatch import EP_DISPATCHES, ep_dispatch  # noqa: E402
 from k3jax.ops.grouped_matmul import grouped_matmul  # noqa: E402
