@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import small_config
 
+import k3jax.ops.attnres as attnres_ops
 import k3jax.parallel as kp
+from k3jax.config import ResidualConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
+from k3jax.model import K3Model
 from k3jax.ops.attnres import (
     depth_mix_norm,
     depth_mix_norm_kernels,
@@ -171,6 +175,37 @@ def test_each_device_runs_the_kernels_on_its_own_rows(mesh_cfg):
     assert "sdy.manual_computation" in lowered.as_text()  # it did run per device
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
         assert rel_rms(a, b) <= FP32_TOL, rel_rms(a, b)
+
+
+def test_a_model_reads_through_the_kernels_as_through_xla(monkeypatch):
+    """A four-layer model with Block AttnRes (a block a layer: reads of one to five sources),
+    its reads on the kernels (interpreted) against the same model on the XLA path: the loss and
+    every parameter's gradient (FP32_TOL), as the stack wires the reads together."""
+    cfg = small_config(d_model=128, num_layers=4, scan_layers=False,
+                       residual=ResidualConfig(kind="attnres", block_size_layers=1))
+    model = K3Model(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, TILE // 2), 0, cfg.vocab_size)
+    params = model.init(jax.random.key(0), tokens)
+    # away from the zero-initialised queries' uniform mixing, so the scores' gradients count
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
+                          params)
+
+    def value_and_grads():
+        def loss(p):
+            return jnp.mean(jnp.square(model.apply(p, tokens)))
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    xla = value_and_grads()
+    monkeypatch.setattr(attnres_ops, "takes_kernels",
+                        lambda impl, module, *args, **kwargs: module == "depth_mix_norm")
+    monkeypatch.setattr(attnres_ops, "depth_mix_norm_kernels",
+                        functools.partial(depth_mix_norm_kernels, interpret=True))
+    kernels_ = value_and_grads()
+    assert rel_rms(xla[0], kernels_[0]) <= FP32_TOL
+    for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(xla[1])[0],
+                                 jax.tree.leaves(kernels_[1])):
+        err = rel_rms(want, got)
+        assert err <= FP32_TOL, f"{jax.tree_util.keystr(path)}: relative RMS {err:.2e}"
 
 
 @pytest.mark.skipif(not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU")
