@@ -200,10 +200,10 @@ def test_a_model_reads_through_the_kernels_as_through_xla(monkeypatch):
                         lambda impl, module, *args, **kwargs: module == "depth_mix_norm")
     monkeypatch.setattr(attnres_ops, "depth_mix_norm_kernels",
                         functools.partial(depth_mix_norm_kernels, interpret=True))
-    kernels_ = value_and_grads()
-    assert rel_rms(xla[0], kernels_[0]) <= FP32_TOL
+    through_kernels = value_and_grads()
+    assert rel_rms(xla[0], through_kernels[0]) <= FP32_TOL
     for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(xla[1])[0],
-                                 jax.tree.leaves(kernels_[1])):
+                                 jax.tree.leaves(through_kernels[1])):
         err = rel_rms(want, got)
         assert err <= FP32_TOL, f"{jax.tree_util.keystr(path)}: relative RMS {err:.2e}"
 
