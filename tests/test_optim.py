@@ -101,7 +101,8 @@ def test_grouped_muon_matches_optax_muon():
 
 
 def test_orthogonalize_grouped_equals_per_matrix_and_rolled_loop():
-    """Stacking same-shaped matrices changes nothing; the rolled loop equals the unrolled one."""
+    """Stacking same-shaped matrices changes nothing; the rolled loop (one or two iterations a
+    trip, the second with a remainder iteration after the loop) equals the unrolled one."""
     params, axes = _tree(4)
     dims = muon_dims(params, axes)
     is_dim = lambda d: d is None or isinstance(d, MuonDimensionNumbers)  # noqa: E731
@@ -116,13 +117,15 @@ def test_orthogonalize_grouped_equals_per_matrix_and_rolled_loop():
             x, jnp.asarray(NS_COEFFS), 5, dimension_numbers=d)
             for x, d in zip(jax.tree.leaves(mats), jax.tree.leaves(mat_dims, is_leaf=is_dim))]
         return (alone, orthogonalize_grouped(mats, mat_dims),
-                orthogonalize_grouped(mats, mat_dims, unroll=False))
+                orthogonalize_grouped(mats, mat_dims, unroll=False),
+                orthogonalize_grouped(mats, mat_dims, unroll=2))
 
-    alones, grouped, rolled = orthogonalized(mats)
-    for (path, x), alone, g, r in zip(jax.tree_util.tree_leaves_with_path(mats), alones,
-                                      jax.tree.leaves(grouped), jax.tree.leaves(rolled)):
+    alones, grouped, rolled, rolled2 = orthogonalized(mats)
+    for (path, x), alone, g, r, r2 in zip(jax.tree_util.tree_leaves_with_path(mats), alones,
+                                          *map(jax.tree.leaves, (grouped, rolled, rolled2))):
         assert rel_rms(np.asarray(alone), np.asarray(g)) < FP32_TOL, jax.tree_util.keystr(path)
-        assert rel_rms(np.asarray(g), np.asarray(r)) < FP32_TOL, jax.tree_util.keystr(path)
+        for loop in (r, r2):
+            assert rel_rms(np.asarray(g), np.asarray(loop)) < FP32_TOL, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

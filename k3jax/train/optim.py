@@ -127,11 +127,12 @@ def _to_wide(x, dims):
     return flat, inverse
 
 
-def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-8, unroll: bool = True,
+def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-8, unroll: int | bool = True,
                   coeffs=NS_COEFFS, dtype=None) -> jax.Array:
     """Approximate orthogonalisation of each ``[m, n]`` matrix of ``x [b, m, n]`` (m <= n best):
     Frobenius-normalise (in ``x``'s dtype), then ``steps`` quintic iterations
-    X <- (aI + bA + cA^2)X, A = XX^T, in ``dtype`` (default ``x``'s); returned in ``dtype``."""
+    X <- (aI + bA + cA^2)X, A = XX^T, in ``dtype`` (default ``x``'s); returned in ``dtype``.
+    ``unroll`` is :func:`jax.lax.fori_loop`'s (``True``: no loop; an int: iterations a trip)."""
     dtype = x.dtype if dtype is None else jnp.dtype(dtype)
     a, b, c = (jnp.asarray(k, dtype) for k in coeffs)
     x = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + eps)).astype(dtype)
@@ -149,7 +150,7 @@ def newton_schulz(x: jax.Array, steps: int = 5, eps: float = 1e-8, unroll: bool 
 
 
 def orthogonalize_grouped(tree, dims_tree, steps: int = 5, eps: float = 1e-8,
-                          unroll: bool = True, ns_dtype=None):
+                          unroll: int | bool = True, ns_dtype=None):
     """Newton-Schulz of every leaf of ``tree`` (matrices per ``dims_tree``, a tree of
     ``MuonDimensionNumbers`` matching ``tree``'s leaves), one batched loop per distinct
     ``(m, n, dtype)``: same-shaped matrices are concatenated along the batch axis. The iterations
@@ -181,7 +182,7 @@ def _shape_scale(x, dims, consistent_rms: float | None) -> float:
 
 
 def scale_by_grouped_muon(dims_fn, beta: float = 0.95, eps: float = 1e-8, ns_steps: int = 5,
-                          consistent_rms: float | None = None, unroll: bool = True,
+                          consistent_rms: float | None = None, unroll: int | bool = True,
                           ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
     """Nesterov momentum (bias-corrected), orthogonalised and shape-scaled, as
     ``optax.contrib.scale_by_muon`` followed by its ``scale_by_shape``. ``dims_fn(updates)`` gives
@@ -210,7 +211,7 @@ def scale_by_grouped_muon(dims_fn, beta: float = 0.95, eps: float = 1e-8, ns_ste
 
 def grouped_muon(learning_rate, beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                  dims_fn=None, consistent_rms: float | None = None, ns_steps: int = 5,
-                 unroll: bool = True, ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
+                 unroll: int | bool = True, ns_dtype=jnp.bfloat16) -> optax.GradientTransformation:
     """Muon for parameters that are all matrices (``dims_fn`` gives their dimension numbers):
     ``optax.contrib.muon`` without its AdamW branch, orthogonalising by shape group, with the
     Newton-Schulz iterations in ``ns_dtype`` (``float32``: optax's)."""
@@ -315,11 +316,13 @@ def build_optimizer(cfg, total_steps: int | None, params, axes=None,
         def dims_of(masked):  # the muon branch sees only its own parameters (others masked)
             return jax.tree_util.tree_map_with_path(lambda p, _: paths[path_name(p)], masked)
 
-        # A rolled NS loop: k3_small's CPU step compiled ~5 s faster (55.5 -> 50.6 s); its
-        # run-time cost is a few loop iterations per step.
+        # A rolled NS loop: k3_small's CPU step compiled ~5 s faster (55.5 -> 50.6 s) than
+        # unrolled. Two iterations a trip: an iteration ends in a product whose output cannot
+        # overwrite its own operand, so with one a trip XLA copied the iterate into the loop's
+        # buffer every iteration; with two, the second product writes there directly.
         matrices = grouped_muon(lr, beta=cfg.b1, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                 dims_fn=dims_of, consistent_rms=cfg.muon_consistent_rms,
-                                unroll=False, ns_dtype=jnp.dtype(cfg.muon_ns_dtype))
+                                unroll=2, ns_dtype=jnp.dtype(cfg.muon_ns_dtype))
         core = optax.partition({"muon": matrices, "adam": adamw}, labels)
     if cfg.clip_norm is None:
         return core
