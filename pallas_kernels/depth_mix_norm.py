@@ -12,17 +12,21 @@ the folded query ``u = g * w`` and the norm's weight ``gamma``, all in fp32::
     dxh   = dx gamma,   xhat = h q
     dh    = q (dxh - xhat mean(dxh xhat))                   dgamma = sum_tokens dx xhat
     ds_i  = alpha_i (<dh, v_i> - sum_j alpha_j <dh, v_j>)
-    dv_i  = alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / d      du = sum_tokens sum_i ds_i r_i v_i
+    dv_i  = later_i + alpha_i dh + ds_i r_i u - ds_i s_i r_i^2 v_i / d
+    du    = sum_tokens sum_i ds_i r_i v_i
+
+``later_i`` (optional) is the gradient source ``i`` already has from the rest of the program.
 
 The forward also returns each source's ``alpha_i`` summed over the tokens (the depth weights the
 training step logs); a cotangent ``c_i`` on those sums adds to ``<dh, v_i>`` above.
 
 XLA runs the read and the norm as separate fusions: the scores, the weighted sum and the norm each
 read the sources (or ``h``) again, and the backward's cotangents and the two weight gradients'
-column sums (``du``, ``dgamma``) read them several more times. Here the forward reads each source
-from memory once and writes ``x``; the backward reads the sources and ``dx`` once (a tile's
-second looks at a source hit the cache), writes each ``dv_i``, and leaves the column sums as one
-fp32 row of partial sums per program. A program's rows are whole
+column sums (``du``, ``dgamma``) read them several more times; a source read by many sub-layers
+then has its gradients summed in passes of their own. Here the forward reads each source from
+memory once and writes ``x``; the backward reads the sources and ``dx`` once (a tile's second
+looks at a source hit the cache), writes each ``dv_i`` with ``later_i`` added in the same pass,
+and leaves the column sums as one fp32 row of partial sums per program. A program's rows are whole
 tokens (every reduction above is over a token's ``d`` channels), held as column chunks of
 :data:`CHUNK_MAX` or fewer: Triton's blocks are powers of two, ``d`` need not be.
 
@@ -183,10 +187,12 @@ def _forward_kernel(*refs, n, d, eps_mix, eps_norm):
         weights_ref[program, k] = jnp.sum(a)
 
 
-def _backward_kernel(*refs, n, d, eps_mix, eps_norm):
+def _backward_kernel(*refs, n, d, eps_mix, eps_norm, later):
     src_refs, rest = refs[:n], refs[n:]
     u_ref, scale_ref, valid_ref, dx_ref, dweights_ref = rest[:5]
-    dv_refs, (du_ref, dscale_ref) = rest[5:5 + n], rest[5 + n:]
+    taken, rest = iter(rest[5:5 + sum(later)]), rest[5 + sum(later):]
+    later_refs = [next(taken) if has else None for has in later]   # None: nothing to add
+    dv_refs, (du_ref, dscale_ref) = rest[:n], rest[n:]
     u, gamma = _vector(u_ref, d), _vector(scale_ref, d)
     valid = valid_ref[0] != 0
     first = pl.program_id(0) * BWD_ROWS * BWD_STEPS
@@ -210,8 +216,10 @@ def _backward_kernel(*refs, n, d, eps_mix, eps_norm):
             on_u = (ds * r[k])[:, None]                    # d score / d v = r u - s r^2 v / d
             on_v = (ds * s[k] * r[k] * r[k] / d)[:, None]
             v = _load(ref, start, BWD_ROWS, d)
-            _store(dv_refs[k], start, [alpha[k][:, None] * y + on_u * ux - on_v * x
-                                       for y, ux, x in zip(dh, u, v)])
+            dv = [alpha[k][:, None] * y + on_u * ux - on_v * x for y, ux, x in zip(dh, u, v)]
+            if later_refs[k] is not None:
+                dv = [x + y for x, y in zip(dv, _load(later_refs[k], start, BWD_ROWS, d))]
+            _store(dv_refs[k], start, dv)
             du = [acc + x * on_u for acc, x in zip(du, v)]
         return du, dscale
 
@@ -250,24 +258,35 @@ def depth_mix_norm(sources, u, scale, valid, *, eps_mix: float, eps_norm: float,
                  eps_mix=eps_mix, eps_norm=eps_norm)
 
 
-def depth_mix_norm_vjp(sources, u, scale, valid, dx, dweights, *, eps_mix: float,
+def depth_mix_norm_vjp(sources, u, scale, valid, dx, dweights, later=None, *, eps_mix: float,
                        eps_norm: float, interpret: bool = False):
     """``(dsources, du_parts [P, d], dscale_parts [P, d])`` for the gradients ``dx [N, d]`` of
     :func:`depth_mix_norm`'s output and ``dweights [n]`` fp32 of its weights' token sums: each
     source's gradient in its dtype, and the fp32 partial sums of ``u``'s and ``scale``'s
-    gradients, one row per program (``du = du_parts.sum(0)``)."""
+    gradients, one row per program (``du = du_parts.sum(0)``).
+
+    ``later`` (a tuple of ``n`` entries, each ``[N, d]`` or None): the gradient each source has
+    already received from the rest of the program (the later reads of it), added to the read's
+    own in the pass that writes it, so that no separate pass sums a source's cotangents."""
     check_args(sources, u, scale, valid, dx)
     if dweights.shape != (len(sources),) or dweights.dtype != F32:
         raise ValueError(f"depth_mix_norm: dweights must be float32 [{len(sources)}], got "
                          f"{dweights.shape} {dweights.dtype}")
     ref = sources[0]
+    later = (None,) * len(sources) if later is None else tuple(later)
+    if len(later) != len(sources) or any(
+            g is not None and (g.shape != ref.shape or g.dtype != ref.dtype) for g in later):
+        raise ValueError(f"depth_mix_norm: later must hold {len(sources)} entries, each None or "
+                         f"{ref.shape} {ref.dtype}, got "
+                         f"{[None if g is None else (g.shape, str(g.dtype)) for g in later]}")
     programs = ref.shape[0] // (BWD_ROWS * BWD_STEPS)
     parts = jax.ShapeDtypeStruct((programs, ref.shape[1]), F32)
     like = jax.ShapeDtypeStruct(ref.shape, ref.dtype)
-    out = _call(_backward_kernel, sources, (u, scale, valid, dx, dweights),
+    out = _call(_backward_kernel, sources,
+                (u, scale, valid, dx, dweights, *[g for g in later if g is not None]),
                 (*[like] * len(sources), parts, parts), grid=programs, warps=BWD_WARPS,
                 name="depth_mix_norm_bwd", interpret=interpret, eps_mix=eps_mix,
-                eps_norm=eps_norm)
+                eps_norm=eps_norm, later=tuple(g is not None for g in later))
     return tuple(out[:len(sources)]), out[-2], out[-1]
 
 

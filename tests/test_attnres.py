@@ -193,7 +193,7 @@ class _Wired(nn.Module):
         norm = RMSNorm(EPS, name="norm")
         if j is None:
             return AttnResFinalRead(self.cfg, name="rule")(state, norm)
-        return AttnResidual(self.cfg, name="rule").read(state, j, norm)
+        return AttnResidual(self.cfg, name="rule").read(state, j, norm)[0]
 
 
 def _rule_cfg(block, num_layers=L_SUB // 2):

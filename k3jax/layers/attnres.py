@@ -22,6 +22,12 @@ broadcast, loop-invariant input (:func:`split_state` / :func:`join_state`). With
 read masks the partial sum where ``j % S == 0`` and the write does not commit; the stack calls
 :func:`settle` after the scan to commit the block the scan completed.
 
+Gradients. Each read hands its sources on (:meth:`AttnResidual.read` returns the state with the
+read's copies) and the next read reads those, so on the GPU kernels' path a read's backward adds
+its gradient of a source to the one the later reads gave, in the pass that writes it. Inside a
+scan the completed blocks are loop-invariant: the copies reach only the same layer's second read,
+and autodiff sums the rest.
+
 Memory. Each block array is created once; every later read refers to the same array, and
 :func:`~k3jax.ops.attnres.depth_mix`'s custom VJP saves only its inputs and ``[n, B, T]``
 statistics, so the backward pass keeps each block once (loop-invariant scan inputs are saved once,
@@ -115,15 +121,20 @@ class _DepthMix(nn.Module):
         return depth_mix(state.blocks, state.partial, self.query, self.key_norm, self.cfg.rms_eps,
                          partial_valid)[0]
 
-    def normed(self, state: AttnResState, norm: nn.Module, partial_valid=True) -> jax.Array:
-        """``norm(mix(state))`` in one op (:func:`~k3jax.ops.attnres.depth_mix_norm`)."""
-        x, weights = depth_mix_norm(state.blocks, state.partial, self.query, self.key_norm,
-                                    norm.weight(self.cfg.d_model), self.cfg.rms_eps, norm.eps,
-                                    partial_valid)
+    def normed(self, state: AttnResState, norm: nn.Module,
+               partial_valid=True) -> tuple[jax.Array, AttnResState]:
+        """``(norm(mix(state)), state)`` in one op (:func:`~k3jax.ops.attnres.depth_mix_norm`),
+        the state's arrays as the op hands them on: later reads of them take their gradients
+        into the read's backward pass."""
+        x, weights, sources = depth_mix_norm(state.blocks, state.partial, self.query,
+                                             self.key_norm, norm.weight(self.cfg.d_model),
+                                             self.cfg.rms_eps, norm.eps, partial_valid)
         if _diagnosing(self):
             _sow(self, "depth_weights", jnp.pad(weights, (0, num_block_slots(self.cfg) + 1
                                                          - weights.shape[0])))
-        return x.astype(jnp.dtype(norm.dtype))
+        blocks = sources[:len(state.blocks)]
+        partial = None if state.partial is None else sources[-1]
+        return x.astype(jnp.dtype(norm.dtype)), AttnResState(blocks, partial)
 
 
 class AttnResidual(_DepthMix):
@@ -134,7 +145,7 @@ class AttnResidual(_DepthMix):
     scan, which must not cross a block boundary (the stack settles the state after it).
     """
 
-    def read(self, state: AttnResState, j, norm: nn.Module) -> jax.Array:
+    def read(self, state: AttnResState, j, norm: nn.Module) -> tuple[jax.Array, AttnResState]:
         if state.partial is None or isinstance(j, int):
             return self.normed(state, norm)
         return self.normed(state, norm, partial_valid=j % block_size(self.cfg) != 0)
@@ -149,7 +160,7 @@ class AttnResidual(_DepthMix):
         return AttnResState(blocks, jnp.where(j % block_size(self.cfg) == 0, out, partial + out))
 
     def __call__(self, state, j, norm):  # lets linen initialise a rule used only via methods
-        return self.read(state, j, norm)
+        return self.read(state, j, norm)[0]
 
 
 class AttnResFinalRead(_DepthMix):
@@ -162,7 +173,7 @@ class AttnResFinalRead(_DepthMix):
             sources = state.blocks + (() if state.partial is None else (state.partial,))
             _sow(self, "block_rms", jnp.stack([jnp.sqrt(jnp.mean(jnp.square(v.astype(jnp.float32))))
                                                for v in sources]))
-        return self.normed(state, norm)
+        return self.normed(state, norm)[0]
 
 
 def _diagnosing(module: nn.Module) -> bool:

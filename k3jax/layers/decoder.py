@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         norm_ffn = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="norm_ffn")
 
         lift = _unlifted if self.is_initializing() else _traced_once
-        x = res_mixer.read(state, j, norm_mixer)
+        x, state = res_mixer.read(state, j, norm_mixer)
         mixer = MIXERS[self.mixer](cfg, lift)
         # The mixer's kind in the name stack: a profile can tell KDA ops from MLA ops (both
         # modules are named "mixer"), likewise for the FFN.
@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
                 out, cache = mixer.cached(x, cache, context)
         state = res_mixer.write(state, out, j)
 
-        x = res_ffn.read(state, j + 1, norm_ffn)
+        x, state = res_ffn.read(state, j + 1, norm_ffn)
         with jax.named_scope(self.ffn):
             ffn = FFNS[self.ffn](cfg, lift)
             out = ffn(x, deterministic=deterministic)

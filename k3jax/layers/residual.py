@@ -3,8 +3,10 @@
 A rule is a small linen module per sub-layer with two methods, so the decoder layer never changes
 when the rule does:
 
-* ``read(state, j, norm) -> x``: the input of sub-layer ``j``, its pre-norm ``norm`` (an
-  :class:`~k3jax.layers.norms.RMSNorm`) applied to what it reads (a rule may fuse the two);
+* ``read(state, j, norm) -> (x, state)``: the input of sub-layer ``j``, its pre-norm ``norm``
+  (an :class:`~k3jax.layers.norms.RMSNorm`) applied to what it reads (a rule may fuse the two),
+  and the state to go on with (AttnRes hands its sources on through the read, whose backward
+  then sums their gradients; plain: the same state);
 * ``write(state, out, j) -> state``: fold the sub-layer's output into the state.
 
 ``initial_state(cfg, embedding)`` starts the state and ``FinalRead(state, norm)`` produces the
@@ -32,14 +34,14 @@ class PlainResidual(nn.Module):
 
     cfg: ModelConfig
 
-    def read(self, state: jax.Array, j, norm: nn.Module) -> jax.Array:
-        return norm(state)
+    def read(self, state: jax.Array, j, norm: nn.Module) -> tuple[jax.Array, jax.Array]:
+        return norm(state), state
 
     def write(self, state: jax.Array, out: jax.Array, j) -> jax.Array:
         return state + out.astype(state.dtype)
 
     def __call__(self, state, j, norm):  # lets linen initialise a rule used only via methods
-        return self.read(state, j, norm)
+        return self.read(state, j, norm)[0]
 
 
 class PlainFinalRead(nn.Module):

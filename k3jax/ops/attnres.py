@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kernel_launch import launcher, takes_kernels
@@ -183,12 +184,17 @@ DEPTH_MIX_NORM_IMPLS = ("auto", "pallas", "xla")
 
 def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: jax.Array,
                    g: jax.Array, scale: jax.Array, eps: float, norm_eps: float,
-                   partial_valid=True, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """``(x, weights)``: ``x = rms_norm(h, scale)`` of the read ``h`` of :func:`depth_mix` (same
-    arguments), the input of the sub-layer after the read, ``[B, T, d]`` in the sources' dtype;
-    ``weights [n]`` fp32, each source's depth weight averaged over the tokens (diagnostics).
-    ``scale [d]`` is the norm's weight, ``norm_eps`` its epsilon; ``h`` is rounded to the sources'
-    dtype before the norm, as the two steps apart round it.
+                   partial_valid=True, impl: str = "auto"
+                   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """``(x, weights, sources)``: ``x = rms_norm(h, scale)`` of the read ``h`` of
+    :func:`depth_mix` (same arguments), the input of the sub-layer after the read, ``[B, T, d]``
+    in the sources' dtype; ``weights [n]`` fp32, each source's depth weight averaged over the
+    tokens (diagnostics); ``sources``, the read's sources (``blocks``, then ``partial`` if given)
+    handed on, equal to them. Later reads of a source should read this copy: the kernel path's
+    backward takes in the gradient the copy gets and adds the read's own to it in the pass that
+    writes it, where otherwise a separate pass would sum every read's gradient of a source.
+    ``scale [d]`` is the norm's weight, ``norm_eps`` its epsilon; ``h`` is rounded to the
+    sources' dtype before the norm, as the two steps apart round it.
 
     ``impl``: ``"pallas"`` runs the Triton kernels of :mod:`pallas_kernels.depth_mix_norm`
     (ValueError when they cannot take the call), ``"auto"`` runs them where they can (a Hopper GPU,
@@ -206,24 +212,27 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
         return depth_mix_norm_kernels(sources, w, g, scale, valid.astype(jnp.int32)[None],
                                       (float(eps), float(norm_eps)))
     h, alpha = _depth_mix(float(eps), sources, valid, w, g)
-    return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2))
+    return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2)), sources
 
 
 def depth_mix_norm_kernels(sources, w, g, scale, valid, eps: tuple[float, float],
-                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                           interpret: bool = False
+                           ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
     """:func:`depth_mix_norm`'s kernel path on ``sources`` (a tuple of ``[B, T, d]``, the last
     masked unless ``valid [1]`` int32 is nonzero), each device on its own rows of the batch
-    (:func:`~k3jax.ops.per_device.on_own_rows`): ``(x [B, T, d], weights [n])``."""
+    (:func:`~k3jax.ops.per_device.on_own_rows`): ``(x [B, T, d], weights [n], sources)``."""
     def on_rows(sources, w, g, scale, valid):
-        x, weight_sums = kernel_depth_mix_norm(
+        shape = sources[0].shape
+        x, weight_sums, handed_on = kernel_depth_mix_norm(
             tuple(v.reshape(-1, v.shape[-1]) for v in sources), w, g, scale, valid, eps, interpret)
-        return x.reshape(sources[0].shape), weight_sums[None]     # one row of sums a device
+        return (x.reshape(shape), weight_sums[None],   # one row of sums a device
+                tuple(v.reshape(shape) for v in handed_on))
 
     b, t, _ = sources[0].shape
-    x, weight_sums = on_own_rows(
+    x, weight_sums, handed_on = on_own_rows(
         on_rows, b, lambda rows: ((P(rows),) * len(sources), P(), P(), P(), P()),
-        lambda rows: (P(rows), P(rows)))(sources, w, g, scale, valid)
-    return x, jnp.sum(weight_sums, axis=0) / (b * t)
+        lambda rows: (P(rows), P(rows), (P(rows),) * len(sources)))(sources, w, g, scale, valid)
+    return x, jnp.sum(weight_sums, axis=0) / (b * t), handed_on
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -231,31 +240,41 @@ def kernel_depth_mix_norm(sources, w, g, scale, valid, eps: tuple[float, float],
                           interpret: bool = False):
     """:func:`depth_mix_norm`'s kernel path on ``sources`` (a tuple of ``[N, d]``, the last masked
     unless ``valid [1]`` int32 is nonzero), with the kernels' gradients: ``(x [N, d], weight_sums
-    [n])``, the depth weights summed over the tokens. ``eps``: the read's and the norm's.
-    ``interpret``: run the kernels in Pallas's interpreter (CPU tests)."""
+    [n], sources)``, the depth weights summed over the tokens and the sources handed on (their
+    gradient enters the backward kernel, which adds the read's own). ``eps``: the read's and the
+    norm's. ``interpret``: run the kernels in Pallas's interpreter (CPU tests)."""
     x, weight_parts = _launcher("depth_mix_norm")(sources, _query(w, g), scale, valid,
                                                   eps_mix=eps[0], eps_norm=eps[1],
                                                   interpret=interpret)
-    return x, jnp.sum(weight_parts, axis=0)
+    return x, jnp.sum(weight_parts, axis=0), sources
 
 
 def _kernel_fwd(sources, w, g, scale, valid, eps, interpret):
-    return kernel_depth_mix_norm(sources, w, g, scale, valid, eps, interpret), (sources, w, g,
-                                                                               scale, valid)
+    args = custom_vjp_primal_tree_values((sources, w, g, scale, valid))
+    return kernel_depth_mix_norm(*args, eps, interpret), args
 
 
 def _kernel_bwd(eps, interpret, res, cts):
     sources, w, g, scale, valid = res
-    dx, dweights = cts
+    dx, dweights, later = cts
+    # Symbolic zeros: the weights feed only diagnostics, and a source's last read has no later
+    # gradient, which the kernel then does not read.
+    dx, dweights = _instantiate(dx), _instantiate(dweights)
+    later = tuple(None if isinstance(c, SymbolicZero) else c for c in later)
     dsources, du_parts, dscale_parts = _launcher("depth_mix_norm_vjp")(
-        sources, _query(w, g), scale, valid, dx.astype(sources[0].dtype),
-        dweights.astype(_F32), eps_mix=eps[0], eps_norm=eps[1], interpret=interpret)
+        sources, _query(w, g), scale, valid, dx.astype(sources[0].dtype), dweights.astype(_F32),
+        later, eps_mix=eps[0], eps_norm=eps[1], interpret=interpret)
     du = jnp.sum(du_parts, axis=0)
     return (dsources, (du * g.astype(_F32)).astype(w.dtype), (du * w.astype(_F32)).astype(g.dtype),
             jnp.sum(dscale_parts, axis=0).astype(scale.dtype), None)
 
 
-kernel_depth_mix_norm.defvjp(_kernel_fwd, _kernel_bwd)
+def _instantiate(ct) -> jax.Array:
+    """A cotangent as an array: zeros of its shape and dtype for a symbolic zero."""
+    return jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct
+
+
+kernel_depth_mix_norm.defvjp(_kernel_fwd, _kernel_bwd, symbolic_zeros=True)
 
 
 def _launcher(name: str):
