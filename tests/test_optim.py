@@ -208,7 +208,9 @@ def _optax_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 @pytest.mark.parametrize("kind", ["wsd", "cosine", "constant"])
 def test_schedule_from_step_data_equals_optax_bit_for_bit(kind):
     """Every step of several runs (with and without warmup, a warmup past the run's end, odd
-    learning rates and floors), from one compiled function of the schedule's numbers."""
+    learning rates and floors), from one compiled function of the schedule's numbers: bit for
+    bit on the CPU; on a GPU, where optax's numbers are compile-time constants and ours are
+    arguments, the cosine's results differed by up to 2 ulp."""
     runs = [(OptimConfig(lr=3e-3, warmup_steps=20, decay_fraction=0.3), 400),
             (OptimConfig(lr=0.0021, warmup_steps=0, decay_fraction=0.2, min_lr_ratio=0.07), 97),
             (OptimConfig(lr=1e-2, warmup_steps=50, min_lr_ratio=0.1), 30),
@@ -224,4 +226,7 @@ def test_schedule_from_step_data_equals_optax_bit_for_bit(kind):
         want = jax.jit(jax.vmap(lambda c: jnp.asarray(_optax_schedule(cfg, total)(c),
                                                       jnp.float32)))(counts)
         got = ours(counts, schedule_args(cfg, total))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(cfg))
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(cfg))
+        else:  # a GPU's cosine and fused multiply-adds round a constant and an argument apart
+            np.testing.assert_array_max_ulp(np.asarray(got), np.asarray(want), maxulp=4)
