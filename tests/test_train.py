@@ -2,7 +2,9 @@
 non-finite steps are skipped; packed documents do not see each other; optimiser rules.
 
 The runs are subprocesses of ``train.py`` sharing one JAX compilation cache, so only the first one
-compiles. Model: 2 layers (KDA then MLA), d_model 32, vocab 256, sequences of 32 tokens.
+compiles. Model: 2 layers (KDA then MLA), d_model 32, vocab 256, sequences of 32 tokens. The loop's
+runs inside the test process check the loop itself, whatever the layers: they train one MLA layer
+(KDA's chunked form takes most of the CPU compile).
 """
 
 import functools
@@ -34,6 +36,8 @@ TINY_MODEL = ModelConfig(
     mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                   v_head_dim=16),
     dense_ffn=FFNConfig(intermediate_size=64), dtype="float32")
+# The model of the loop's runs in this process: TINY_MODEL's MLA layer alone.
+LOOP_MODEL = TINY_MODEL.replace(num_layers=1, mla_every=1, first_k_dense=1)
 
 PRESET = f"""
 from k3jax.config import *
@@ -162,14 +166,17 @@ def test_rerun_of_a_finished_run_keeps_its_summary(runs):
 
 def test_a_run_killed_after_its_last_save_has_its_last_evaluation(runs):
     # The last save finished before the kill (not cut short, which would redo the last steps).
-    sync = "checkpoint.async_save=false"
-    killed = runs["train"]("C", {"K3JAX_FAULT_KILL_AFTER_STEP": str(STEPS)}, sync)
+    # A shorter run than A's (the length is the step's data: the same compiled step), evaluated
+    # only at step 0 and at its end.
+    steps = 2 * EVERY
+    sets = ("checkpoint.async_save=false", f"train.steps={steps}")
+    killed = runs["train"]("C", {"K3JAX_FAULT_KILL_AFTER_STEP": str(steps)}, *sets)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    assert (runs["root"] / "C" / "checkpoints" / str(STEPS) / MANIFEST).is_file()
-    again = runs["train"]("C", None, sync)  # finished: nothing left to train
+    assert (runs["root"] / "C" / "checkpoints" / str(steps) / MANIFEST).is_file()
+    again = runs["train"]("C", None, *sets)  # finished: nothing left to train
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads((runs["root"] / "C" / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["heldout_last"]["step"] == STEPS
+    assert summary["steps"] == steps and summary["heldout_last"]["step"] == steps
 
 
 def test_evaluate_and_plot(runs, capsys):
@@ -234,12 +241,12 @@ def test_packed_batch_equals_documents_one_by_one():
 
 
 def _loop_config(tmp_path, steps: int, eval_batches: int):
-    """The tiny model on the text source, for runs of the loop in this process: evaluated at
+    """:data:`LOOP_MODEL` on the text source, for runs of the loop in this process: evaluated at
     step 0 and at the end."""
     from k3jax.config.experiment import DataConfig, EvalConfig, ExperimentConfig, TrainConfig
 
     return ExperimentConfig(
-        model=TINY_MODEL,
+        model=LOOP_MODEL,
         data=DataConfig(sources=(str(_text_source(tmp_path)),), seq_len=32, batch_size=8,
                         cache_dir=str(tmp_path / "data")),
         optim=OptimConfig(lr=1e-2, warmup_steps=0),
@@ -306,6 +313,8 @@ def test_compiled_step_is_written_with_the_first_checkpoint(tmp_path, monkeypatc
                               train=dataclasses.replace(cfg.train, log_every=1))
     cache = tmp_path / "jax_cache"
     jax.config.update("jax_compilation_cache_dir", str(cache))
+    # Every program written, however quickly it compiles: the step's alone must not be.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     loop.run(cfg, tmp_path / "run", log=lambda m: None)
     assert events == [1, 2, 3, "store", 4, 5], events
     assert len(list((cache / "k3jax-steps").glob("*.executable"))) == 1
