@@ -87,15 +87,18 @@ def test_bf16_parameters_compute_what_fp32_parameters_of_the_same_values_do():
     spec says fp32 misses it (the KDA gate's projections in bf16: 6e-4)."""
     cfg = small_config(**GENERATION_CASES["hybrid"]).replace(dtype="bfloat16")
     cfg16 = cfg.replace(param_dtype="bfloat16")
-    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), init(cfg, 5))
+    # jitted: op by op, every leaf's casts would compile their own programs
+    rounded = jax.jit(functools.partial(
+        jax.tree.map, lambda x: x.astype(jnp.bfloat16).astype(x.dtype)))(init(cfg, 5))
     shapes16 = abstract_variables(cfg16)
     kept_fp32 = {"A_log", "dt_bias"}
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes16["params"]):
         want = jnp.float32 if path[-1].key in kept_fp32 else jnp.bfloat16
         assert leaf.dtype == want, (jax.tree_util.keystr(path), leaf.dtype)
     v16 = jax.tree.map(lambda x, s: x.astype(s.dtype), rounded, shapes16)
-    tokens = _tokens(5)
-    want, got = _forward(cfg, rounded, tokens), _forward(cfg16, v16, tokens)
+    # One program for both models; their weights are separate arguments, which XLA cannot merge.
+    want, got = jax.jit(lambda a, b, t: (_apply(cfg, a, t), _apply(cfg16, b, t)))(
+        rounded, v16, _tokens(5))
     assert got.dtype == jnp.bfloat16  # the compute dtype's logits
     assert rel_rms(want, got) < FP32_TOL
 
@@ -144,10 +147,13 @@ def test_remat_gives_the_same_values_and_gradients():
         return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
             logits, tokens[..., None], -1)[..., 0])
 
-    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    l0, g0 = value_and_grad(v["params"], cfg)
-    for policy in ("full", "dots"):
-        l1, g1 = value_and_grad(v["params"], cfg.replace(remat=policy))
+    policies = ("full", "dots")
+    configs = (cfg, *(cfg.replace(remat=policy) for policy in policies))
+    # One program for the three, one compile: XLA merges none of their loops or products, so each
+    # policy's recomputation stays its own.
+    (l0, g0), *with_remat = jax.jit(
+        lambda p: [jax.value_and_grad(loss)(p, c) for c in configs])(v["params"])
+    for policy, (l1, g1) in zip(policies, with_remat, strict=True):
         np.testing.assert_allclose(l0, l1, rtol=1e-6, err_msg=policy)
         for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
             assert rel_rms(a, b) < FP32_TOL, policy

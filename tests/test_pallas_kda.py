@@ -10,6 +10,11 @@ from __future__ import annotations
 import functools
 
 import jax
+
+# The kernels' interpreter imports the fuser on first use, and a setting the fuser registers is
+# part of every jit's cache key, so programs traced before that would compile again: imported
+# here, the programs the tests share stay compiled.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,27 +55,23 @@ def _bf16(x):
     return x.astype(jnp.bfloat16)
 
 
-# The helpers build their cases op by op; jitted, a case is one compile instead of dozens.
-_bf16_case = jax.jit(kda_bf16_case, static_argnums=range(7))
+# The helpers build their cases op by op; jitted, a case is one compile instead of dozens, and
+# with the seed traced every seed of a shape and gate shares it.
+_bf16_case = jax.jit(kda_bf16_case, static_argnums=range(1, 7))
 
 
 def _values_and_grads(fn, args, do, dfin):
     """``fn``'s outputs ``(o, final)`` and the gradients of ``sum(o * do) + sum(final * dfin)``
-    w.r.t. all six arguments, from one forward, jitted (the interpreted kernels run far slower op
-    by op)."""
-    def run(args, do, dfin):
-        (o, f), vjp = jax.vjp(fn, *args)
-        return (o, f), vjp((do.astype(o.dtype), dfin))  # fp32 do rounded to o's dtype, as autodiff
-    return jax.jit(run)(args, do, dfin)
+    w.r.t. all of ``args``, from one forward."""
+    (o, f), vjp = jax.vjp(fn, *args)
+    return (o, f), vjp((do.astype(o.dtype), dfin))  # fp32 do rounded to o's dtype, as autodiff
 
 
-def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
-    """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
-    reference: values and all six gradients within math §10's bf16 tolerances, o in the inputs'
-    dtype and every gradient in its argument's. With ``gate_bias`` (``[H, K]``) the fourth
-    argument is K3's gate logits less that bias: the reference takes :func:`bounded_gate` (bound
-    -5) of their sum, and the bias's gradient is checked as the sum of the logits' gradient
-    (:func:`helpers.gate_bias_grad_error`)."""
+@functools.partial(jax.jit, static_argnames="inputs")
+def _reference_and_kernels(args, seg, do, dfin, gate_bias, inputs):
+    """:func:`_values_and_grads` of the reference and of ``kda_pallas`` (interpreted) in one
+    program (the interpreted kernels run far slower op by op), which the cases of one shape
+    share."""
     dk = args[0].shape[-1]
     scale = dk**-0.5
     gated = gate_bias is not None
@@ -82,8 +83,20 @@ def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
         segment_ids=seg, output_final_state=True, gate_lower_bound=-5.0 if gated else None,
         gate_bias=b, interpret=True)
     args = (*args, gate_bias)
-    (ro, rf), rg = _values_and_grads(ref, args, do, dfin)
-    (o, f), kg = _values_and_grads(ker, args, do, dfin)
+    return _values_and_grads(ref, args, do, dfin), _values_and_grads(ker, args, do, dfin)
+
+
+def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
+    """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
+    reference: values and all six gradients within math §10's bf16 tolerances, o in the inputs'
+    dtype and every gradient in its argument's. With ``gate_bias`` (``[H, K]``) the fourth
+    argument is K3's gate logits less that bias: the reference takes :func:`bounded_gate` (bound
+    -5) of their sum, and the bias's gradient is checked as the sum of the logits' gradient
+    (:func:`helpers.gate_bias_grad_error`)."""
+    gated = gate_bias is not None
+    ((ro, rf), rg), ((o, f), kg) = _reference_and_kernels(args, seg, do, dfin, gate_bias,
+                                                          inputs=inputs)
+    args = (*args, gate_bias)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
     assert rel_rms(ro, o) <= BF16_OUT_TOL
     assert rel_rms(rf, f) <= BF16_OUT_TOL
@@ -140,6 +153,20 @@ def test_prep_reference_matches_recurrence_fp32_correlated_keys():
     assert rel_rms(rf, f) <= FP32_TOL
 
 
+@jax.jit
+def _state_pass_case(args):
+    """The state kernels' operands from the token-parallel part's reference (bf16-rounded where
+    the kernels take bf16), the plain-JAX state pass's outputs, random cotangents of them and
+    their VJP."""
+    p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
+    p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
+                   aqk=bf16_rounded(p.aqk))
+    (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, args[5])
+    do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
+    dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
+    return p, (ro, rf), (do, dfin), vjp((do, dfin))
+
+
 @pytest.mark.parametrize("dv,block_v", [(64, 64), (128, 64), (128, 32), (128, 128)],
                          ids=["one_value_tile", "two_value_tiles", "four_narrow_value_tiles",
                               "one_wide_value_tile"])
@@ -150,18 +177,7 @@ def test_state_kernels_match_plain_jax(dv, block_v):
     forward then has one chunk in flight)."""
     # five chunks: both slots reused
     args, _, _ = _bf16_case(1, 1, 320, 1, 64, dv, "lower_bound")
-
-    @jax.jit
-    def reference(args):
-        p = prepare_reference(*args[:5], scale=0.125, chunk_size=64)
-        p = p._replace(qg=bf16_rounded(p.qg), kg=bf16_rounded(p.kg), w=bf16_rounded(p.w),
-                       aqk=bf16_rounded(p.aqk))
-        (ro, rf), vjp = jax.vjp(lambda p, h0: state_pass_reference(p, h0, 64), p, args[5])
-        do = jax.random.normal(jax.random.PRNGKey(3), ro.shape)
-        dfin = jax.random.normal(jax.random.PRNGKey(4), rf.shape)
-        return p, (ro, rf), (do, dfin), vjp((do, dfin))
-
-    p, (ro, rf), (do, dfin), (rp, rh0) = reference(args)
+    p, (ro, rf), (do, dfin), (rp, rh0) = _state_pass_case(args)
     h0 = args[5]
     fwd = jax.jit(lambda p, h0, save: state_fwd(_bf16(p.qg), _bf16(p.kg), _bf16(p.w), p.u,
                                                 _bf16(p.aqk), p.gamma, h0, chunk_size=64,
@@ -182,6 +198,21 @@ def test_state_kernels_match_plain_jax(dv, block_v):
         assert rel_rms(r, x) <= BF16_GRAD_QKV_TOL
 
 
+@jax.jit
+def _applying_inverse_case(args):
+    """The forward state kernel's operands when it applies the chunk inverse (bf16), the inverse
+    ``T diag(beta)``, and the plain-JAX state pass through ``W`` and ``U`` on the same
+    operands."""
+    q, k, v, g, beta, h0 = args
+    s = gated_scores_reference(q, k, g, scale=0.125)
+    beta = jnp.swapaxes(beta, 1, 2)
+    inverse = _bf16(scaled_inverse_reference(s.akk, beta))
+    qg, kg, xk, aqk = (_bf16(x) for x in (s.qg, s.kg, s.xk, s.aqk))
+    w, u = wy_reference(s.akk, beta, xk, v)
+    ref = state_pass_reference(Prepared(qg, kg, w, u, aqk, s.gamma), h0, 64)
+    return (qg, kg, xk, _bf16(v), aqk, s.gamma, h0), inverse, ref
+
+
 @pytest.mark.parametrize("block_v", [32, 64, 128])
 def test_state_pass_applying_inverse_matches_plain_jax(block_v):
     """The forward state kernel given ``xk``, ``v`` and ``T diag(beta)`` (it forms
@@ -189,19 +220,7 @@ def test_state_pass_applying_inverse_matches_plain_jax(block_v):
     ``W = T diag(beta) xk``, ``U = T diag(beta) v`` on the same bf16 operands: ``o`` and the final
     state within math §10's bf16 output tolerance, at each value tile width."""
     args, _, _ = _bf16_case(2, 1, 320, 1, 64, 128, "lower_bound")
-
-    @jax.jit
-    def operands(args):
-        q, k, v, g, beta, h0 = args
-        s = gated_scores_reference(q, k, g, scale=0.125)
-        beta = jnp.swapaxes(beta, 1, 2)
-        inverse = _bf16(scaled_inverse_reference(s.akk, beta))
-        qg, kg, xk, aqk = (_bf16(x) for x in (s.qg, s.kg, s.xk, s.aqk))
-        w, u = wy_reference(s.akk, beta, xk, v)
-        ref = state_pass_reference(Prepared(qg, kg, w, u, aqk, s.gamma), h0, 64)
-        return (qg, kg, xk, _bf16(v), aqk, s.gamma, h0), inverse, ref
-
-    kernel_args, inverse, (ro, rf) = operands(args)
+    kernel_args, inverse, (ro, rf) = _applying_inverse_case(args)
     o, f = jax.jit(lambda a, t: state_fwd(*a, chunk_size=64, save=False, block_v=block_v,
                                           inverse=t, interpret=True))(kernel_args, inverse)
     assert rel_rms(ro, np.swapaxes(o, 1, 2)) <= BF16_OUT_TOL and rel_rms(rf, f) <= BF16_OUT_TOL
@@ -359,19 +378,26 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
 
 
 def test_kda_pallas_many_chains_forward_applies_inverse():
-    """More than ``INVERSE_CHAINS`` (batch, head) chains with packed segments: the forward alone
-    takes the state pass that applies the chunk inverse (at 32-wide value tiles), a differentiated
-    call the path through ``W`` and ``U`` (the backward needs them); values and all six gradients
-    within math §10's bf16 tolerances either way."""
-    args, do, dfin = _bf16_case(6, 1, 90, INVERSE_CHAINS + 1, 64, 64, "softplus")
+    """More than ``INVERSE_CHAINS`` (batch, head) chains with packed segments, initial and final
+    state: the forward alone takes the state pass that applies the chunk inverse (at 32-wide value
+    tiles); o and the final state within math §10's bf16 output tolerance. (A differentiated call
+    takes the path through ``W`` and ``U``, whose kernels the backward needs, with the value tiles
+    and chunks per CTA of one chain at this size. Its values and all six gradients with segments,
+    initial and final state: ``test_kda_pallas_values_and_gradients[softplus-segments]`` and
+    ``test_kda_pallas_takes_the_gate_logits``; above ``INVERSE_CHAINS`` chains:
+    ``test_kda_pallas_without_initial_or_final_state``.)"""
+    args, _, _ = _bf16_case(6, 1, 90, INVERSE_CHAINS + 1, 64, 64, "softplus")
     seg = jnp.array([[0] * 40 + [1] * 50])
-    ref_o, ref_f = jax.jit(functools.partial(kda_reference, scale=0.125, segment_ids=seg))(
-        *args[:5], initial_state=args[5])
-    o, f = jax.jit(lambda q, k, v, g, beta, h0: kda_pallas(
-        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, initial_state=h0, segment_ids=seg,
-        output_final_state=True, interpret=True))(*args)
+
+    @jax.jit  # one compile for the reference and the kernels
+    def run(q, k, v, g, beta, h0):
+        ref = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0, segment_ids=seg)
+        return ref, kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125,
+                               initial_state=h0, segment_ids=seg, output_final_state=True,
+                               interpret=True)
+
+    (ref_o, ref_f), (o, f) = run(*args)
     assert rel_rms(ref_o, o) <= BF16_OUT_TOL and rel_rms(ref_f, f) <= BF16_OUT_TOL
-    _check_all(args, seg, do, dfin)
 
 
 def test_kda_pallas_without_initial_or_final_state():
