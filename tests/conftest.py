@@ -19,6 +19,11 @@ for _flag in xla_flags(SIMULATED_DEVICES).split():  # flags already given by the
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402  (after the flags above)
+
+# The Pallas interpreter imports the fuser on its first kernel, and a setting the fuser registers
+# is part of every jit's cache key: every program a worker compiled before that point would compile
+# again when next called. Imported here, before any test traces anything.
+import jax.experimental.pallas.fuser  # noqa: E402, F401
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

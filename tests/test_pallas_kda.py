@@ -10,11 +10,6 @@ from __future__ import annotations
 import functools
 
 import jax
-
-# The kernels' interpreter imports the fuser on first use, and a setting the fuser registers is
-# part of every jit's cache key, so programs traced before that would compile again: imported
-# here, the programs the tests share stay compiled.
-import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 import pytest
