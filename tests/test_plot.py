@@ -78,10 +78,11 @@ def test_depth_order_of_a_stack_mixing_scanned_and_unrolled_layers():
     from k3jax.config import ResidualConfig
     from k3jax.stack import plan_segments, unroll_params
 
-    # two-layer AttnRes blocks: a block of two KDA layers is a scan, a KDA and an MLA layer not
-    cfg = model_config().replace(num_layers=8, mla_layers=(3, 7), moe=None, dtype="float32",
+    # two-layer AttnRes blocks: a KDA and an MLA layer are not a scan, the block of two KDA layers
+    # after them is, so the scanned reads start two layers deep
+    cfg = model_config().replace(num_layers=4, mla_layers=(1,), moe=None, dtype="float32",
                                  residual=ResidualConfig(kind="attnres", block_size_layers=2))
-    assert [p.repeats for p in plan_segments(cfg)] == [2, 0, 2, 0]
+    assert [p.repeats for p in plan_segments(cfg)] == [0, 2]
     # AttnRes queries start at zero (every read uniform over its sources): perturbed, each read
     # has weights of its own, so a read placed at the wrong depth shows
     leaves, tree = jax.tree_util.tree_flatten_with_path(init(cfg, 0))
