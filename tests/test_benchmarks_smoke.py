@@ -7,10 +7,12 @@ runs, and checks the lines carry the fields the docs read from them.
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from suite_env import subprocess_env
@@ -44,6 +46,16 @@ def _run(args: list[str], timeout: int = 600) -> list[dict]:
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
     return rows
+
+
+def _benchmark(name: str) -> ModuleType:
+    """``benchmarks/NAME.py`` imported into this process: the scripts import their helpers as
+    top-level modules, so the folder is on the path while it loads."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +169,7 @@ def test_scale_out_stops_a_point_past_its_time_limit():
 def test_scale_out_names_a_bad_layout(capsys):
     """Refused before any point starts, by the script's ``main`` (here in this process: the
     script as a process is run by the tests above) with argparse's exit status 2."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import scale_out
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    scale_out = _benchmark("scale_out")
     for layout, expected in [("pipeline=2", "is not a mesh"), ("data=9", "more devices")]:
         with pytest.raises(SystemExit) as refused:
             scale_out.main(["--platform", "cpu", "--config", "k3_tiny", "--per-device-batch", "2",
@@ -271,11 +279,7 @@ def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from _trace import device_kernels, hlo_instructions, summarize, trace_files
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    trace = _benchmark("_trace")
 
     def scoped(name):  # module jit_<name>, its fusion under the scope <name>
         def f(x):
@@ -290,13 +294,13 @@ def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
     hlo = "\n".join(c.as_text() for c in compiled)
     with jax.profiler.trace(str(tmp_path)):
         jax.block_until_ready(compiled[1](compiled[0](x)))
-    (kernels,) = [k for path in trace_files([str(tmp_path)])
-                  for k in device_kernels(path).values()]
-    modules = hlo_instructions(hlo)
+    (kernels,) = [k for path in trace.trace_files([str(tmp_path)])
+                  for k in trace.device_kernels(path).values()]
+    modules = trace.hlo_instructions(hlo)
     assert len(modules) == 2
     shared = set.intersection(*(set(m) for m in modules.values()))
     assert any("fusion" in name for name in shared)  # the collision this guards against
-    scopes = {scope.split("/")[0] for (_, _, scope) in summarize(kernels, modules)["sources"]}
+    scopes = {scope.split("/")[0] for (_, _, scope) in trace.summarize(kernels, modules)["sources"]}
     assert {"first_program", "second_program"} <= scopes, scopes
     # A fusion moves its operand and its result once each: 2 x 4096 fp32 values.
     for instrs in modules.values():
@@ -333,11 +337,7 @@ def test_a_kernel_xla_compiled_for_fusions_of_equal_code_is_split_between_them()
     code once, naming the kernel after the first: its runs are shared by all of them (but not
     by one whose own kernel ran, nor by equal code in another program, nor by a reduction whose
     reducer differs)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from _trace import Kernel, hlo_instructions, summarize
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    trace = _benchmark("_trace")
     hlo = "\n".join([
         _fusion_module("grads", [("wrapped_add", "add_a", "first/add"),
                                  ("wrapped_add.1", "add_b", "second/add"),
@@ -346,11 +346,11 @@ def test_a_kernel_xla_compiled_for_fusions_of_equal_code_is_split_between_them()
                                  ("reduce_fusion", "sum_a", "fifth/sum"),
                                  ("reduce_fusion.1", "max_a", "sixth/max")]),
         _fusion_module("update", [("wrapped_add", "add_a", "other_program/add")])])
-    run = lambda name, ns, module="grads": Kernel(name, 0.0, ns, "command_buffer_1", module)  # noqa: E731
+    run = lambda name, ns, module="grads": trace.Kernel(name, 0.0, ns, "command_buffer_1", module)  # noqa: E731
     kernels = [run("wrapped_add", 100.0), run("wrapped_add", 100.0), run("wrapped_add_2", 60.0),
                run("wrapped_multiply", 50.0), run("wrapped_add", 30.0, "update"),
                run("reduce_fusion", 40.0)]  # the max reduction never ran
-    summary = summarize(kernels, hlo_instructions(hlo))
+    summary = trace.summarize(kernels, trace.hlo_instructions(hlo))
     by_scope = {scope: ns for (_, _, scope), ns in summary["sources"].items()}
     assert by_scope == {"first/add": 100.0, "second/add": 100.0, "own_kernel/add": 60.0,
                         "third/mul": 50.0, "other_program/add": 30.0, "fifth/sum": 40.0}, by_scope
@@ -434,14 +434,10 @@ def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache():
 def test_kernels_are_sorted_into_categories_by_name():
     """Inside XLA's command buffers a kernel has no instruction to look up: Mosaic GPU kernels and
     k3jax's Triton kernels (also when XLA numbers a second kernel of one name) go by their names."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from _trace import Kernel, category
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    trace = _benchmark("_trace")
 
     def of(name):
-        return category(Kernel(name, 0.0, 1.0, None), None)
+        return trace.category(trace.Kernel(name, 0.0, 1.0, None), None)
 
     assert of("conv_silu_dy_triton") == "triton:conv_silu_dy"
     assert of("conv_silu_dy_triton__1") == "triton:conv_silu_dy"
