@@ -87,7 +87,7 @@ def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
     dtype and every gradient in its argument's. With ``gate_bias`` (``[H, K]``) the fourth
     argument is K3's gate logits less that bias: the reference takes :func:`bounded_gate` (bound
     -5) of their sum, and the bias's gradient is checked as the sum of the logits' gradient
-    (:func:`helpers.gate_bias_grad_error`)."""
+    (:func:`helpers.gate_bias_grad_error`). Returns the reference's ``(o, final)``."""
     gated = gate_bias is not None
     ((ro, rf), rg), ((o, f), kg) = _reference_and_kernels(args, seg, do, dfin, gate_bias,
                                                           inputs=inputs)
@@ -102,6 +102,7 @@ def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None):
     if gated:
         assert kg[-1].dtype == gate_bias.dtype
         assert gate_bias_grad_error(kg[3], kg[-1]) <= FP32_TOL, gate_bias_grad_error(kg[3], kg[-1])
+    return ro, rf
 
 
 def _softplus_segments_case():
@@ -372,26 +373,20 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     _check_all(args, None, do, dfin)
 
 
-def test_kda_pallas_many_chains_forward_applies_inverse():
+def test_kda_pallas_many_chains_with_states():
     """More than ``INVERSE_CHAINS`` (batch, head) chains with packed segments, initial and final
-    state: the forward alone takes the state pass that applies the chunk inverse (at 32-wide value
-    tiles); o and the final state within math §10's bf16 output tolerance. (A differentiated call
-    takes the path through ``W`` and ``U``, whose kernels the backward needs, with the value tiles
-    and chunks per CTA of one chain at this size. Its values and all six gradients with segments,
-    initial and final state: ``test_kda_pallas_values_and_gradients[softplus-segments]`` and
-    ``test_kda_pallas_takes_the_gate_logits``; above ``INVERSE_CHAINS`` chains:
-    ``test_kda_pallas_without_initial_or_final_state``.)"""
-    args, _, _ = _bf16_case(6, 1, 90, INVERSE_CHAINS + 1, 64, 64, "softplus")
-    seg = jnp.array([[0] * 40 + [1] * 50])
-
-    @jax.jit  # one compile for the reference and the kernels
-    def run(q, k, v, g, beta, h0):
-        ref = kda_reference(q, k, v, g, beta, scale=0.125, initial_state=h0, segment_ids=seg)
-        return ref, kda_pallas(_bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125,
-                               initial_state=h0, segment_ids=seg, output_final_state=True,
-                               interpret=True)
-
-    (ref_o, ref_f), (o, f) = run(*args)
+    state. Differentiated, the call goes through ``W`` and ``U`` (the backward needs them) by way
+    of the op's custom VJP, which hands on the initial state's gradient and the final state's
+    cotangent: values and all six gradients within math §10's bf16 tolerances. The forward alone
+    takes the state pass that applies the chunk inverse (at 32-wide value tiles): o and the final
+    state within the bf16 output tolerance. One chunk: that state pass over several chunks is
+    ``test_state_pass_applying_inverse_matches_plain_jax``'s."""
+    args, do, dfin = _bf16_case(6, 1, 64, INVERSE_CHAINS + 1, 64, 64, "softplus")
+    seg = jnp.array([[0] * 40 + [1] * 24])
+    ref_o, ref_f = _check_all(args, seg, do, dfin)
+    o, f = jax.jit(lambda q, k, v, g, beta, h0: kda_pallas(
+        _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, initial_state=h0, segment_ids=seg,
+        output_final_state=True, interpret=True))(*args)
     assert rel_rms(ref_o, o) <= BF16_OUT_TOL and rel_rms(ref_f, f) <= BF16_OUT_TOL
 
 
