@@ -8,7 +8,7 @@ rows is one group's (``tile_group[t]``) or padding past the last group (``-1``).
 ``(column tile, row tile)`` runs a TMA-pipelined WGMMA loop over ``K`` (bf16 operands, fp32
 accumulation) and stores a full tile; a padding tile returns at once. A WGMMA is asynchronous, so
 the pipeline refills a step's shared-memory slot only after the next step has been issued
-(``delay_release=1``): refilled at once, as the copy of step ``s + STAGES`` was before, the slot
+(``delay_release=1``): refilled at once, as the copy of a later step was before, the slot
 could be overwritten while the product still read it (on an H200 that corrupted a few percent of
 the rows of ``k3_small``'s input-gradient products). jax's ``ragged_dot_mgpu``
 instead lets tiles straddle groups and walks a grid fixed by the row count, so a worst-case-sized
@@ -27,11 +27,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.row_tiles import TILE_ROWS
+from pallas_kernels.row_tiles import COLUMNS, TILE_ROWS, WIDE_COLUMNS, column_tile
 
-# Three slots: the fastest of two to four on an H200 at k3_small's expert shapes (K = N = 384) and
-# at K = 1024, N = 768 (docs/benchmarks.md).
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES = TILE_ROWS, 128, 64, 3
+BLOCK_M, BLOCK_K = TILE_ROWS, 64
+# Slots of the pipeline over K by the output tile's width: at k3_small's expert products (K = 384
+# or 768, N = 384) three were the fastest of two to four for 128-column tiles, two for 192 (one
+# H100; docs/benchmarks.md).
+SLOTS = {COLUMNS: 3, WIDE_COLUMNS: 2}
 
 
 def tiled_gmm_reference(x, w, tile_group, *, transpose_rhs: bool = False):
@@ -53,9 +55,9 @@ def check_tiled_gmm_args(x, w, tile_group, transpose_rhs: bool) -> None:
     if k_w != k:
         raise ValueError(f"tiled_gmm: x is [M, K={k}] but w {w.shape} (transpose_rhs="
                          f"{transpose_rhs}) has K={k_w}")
-    if m % BLOCK_M or k % BLOCK_K or n % BLOCK_N:
+    if m % BLOCK_M or k % BLOCK_K or n % COLUMNS:
         raise ValueError(f"tiled_gmm: M={m}, K={k}, N={n} must be multiples of "
-                         f"{BLOCK_M}, {BLOCK_K}, {BLOCK_N}")
+                         f"{BLOCK_M}, {BLOCK_K}, {COLUMNS}")
     if tile_group.shape != (m // BLOCK_M,):
         raise ValueError(f"tiled_gmm: tile_group must be [{m // BLOCK_M}], got {tile_group.shape}")
     if x.dtype != w.dtype:
@@ -69,6 +71,7 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
     check_tiled_gmm_args(x, w, tile_group, transpose_rhs)
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
+    block_n = column_tile(n)
 
     def body(group_ref, x_ref, w_ref, o_ref):
         ni, mi = lax.axis_index("n"), lax.axis_index("m")
@@ -81,35 +84,34 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
                     plgpu.wgmma(acc_ref, x_smem, w_smem.T if transpose_rhs else w_smem)
 
                 # delay_release: the asynchronous product of a step still reads its slot.
-                w_spec = (plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda kk: (ni, kk), delay_release=1)
+                w_spec = (plgpu.BlockSpec((block_n, BLOCK_K), lambda kk: (ni, kk), delay_release=1)
                           if transpose_rhs else
-                          plgpu.BlockSpec((BLOCK_K, BLOCK_N), lambda kk: (kk, ni), delay_release=1))
+                          plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, ni), delay_release=1))
                 x_spec = plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda kk: (mi, kk), delay_release=1)
                 plgpu.emit_pipeline(
                     step, grid=(k // BLOCK_K,), in_specs=[x_spec, w_spec],
-                    max_concurrent_steps=STAGES,
+                    max_concurrent_steps=SLOTS[block_n],
                 )(x_ref, w_ref.at[group])
                 return acc_ref[...]
 
-            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_M, BLOCK_N)))
+            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_M, block_n)))
 
             def store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
-                    o_smem, o_ref.at[pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)])
+                    o_smem, o_ref.at[pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * block_n, block_n)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pl.run_scoped(store, plgpu.SMEM((BLOCK_M, BLOCK_N), x.dtype))
+            pl.run_scoped(store, plgpu.SMEM((BLOCK_M, block_n), x.dtype))
 
     run = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(n // BLOCK_N, m // BLOCK_M), grid_names=("n", "m"), kernel_name="tiled_gmm",
+        grid=(n // block_n, m // BLOCK_M), grid_names=("n", "m"), kernel_name="tiled_gmm",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     return run(tile_group, x, w)
 
 
-__all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "check_tiled_gmm_args", "tiled_gmm",
-           "tiled_gmm_reference"]
+__all__ = ["BLOCK_K", "BLOCK_M", "check_tiled_gmm_args", "tiled_gmm", "tiled_gmm_reference"]

@@ -19,6 +19,7 @@ from k3jax.ops.grouped_matmul import GMMKernels, kernel_gmm, tile_groups
 from k3jax.ops.moe_dispatch import aligned_rows, group_rows, permute_rows
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels import tiled_gmm as tiled
+from pallas_kernels.row_tiles import COLUMNS, WIDE_COLUMNS, column_tile
 
 BM = tiled.BLOCK_M
 
@@ -113,11 +114,13 @@ def test_mosaic_kernels_only_on_hopper_gpus(monkeypatch, hopper):
     assert ("ragged_dot" in text) is not hopper
 
 
+@pytest.mark.parametrize("n", [256, 384], ids=["128_column_tiles", "192_column_tiles"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_tile_kernel_matches_reference(transpose_rhs):
+def test_tile_kernel_matches_reference(transpose_rhs, n):
     """bf16 operands, fp32 accumulation: the interpreted kernel equals the reference on every tile
-    that has a group (math §10 bf16 output tolerance)."""
-    k, n, groups = 128, 256, 3
+    that has a group (math §10 bf16 output tolerance), in both widths of output tile."""
+    assert column_tile(n) == {256: COLUMNS, 384: WIDE_COLUMNS}[n]
+    k, groups = 128, 3
     tile_group = np.array([0, 2, 2, -1, 1], np.int32)
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     x, w = jax.jit(lambda kx, kw: (jax.random.normal(kx, (BM * 5, k)).astype(jnp.bfloat16),
@@ -133,12 +136,14 @@ def test_tile_kernel_matches_reference(transpose_rhs):
         <= BF16_OUT_TOL
 
 
+@pytest.mark.parametrize("n", [512, 768], ids=["128_column_tiles", "192_column_tiles"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_tile_kernel_lowers_for_cuda(transpose_rhs):
+def test_tile_kernel_lowers_for_cuda(transpose_rhs, n):
     """The kernel passes Mosaic GPU's lowering for an sm_90 target at MoE sizes (layouts, WGMMA
-    tiling); the interpreter alone would accept layouts that do not lower."""
+    tiling) in both widths of output tile; the interpreter alone would accept layouts that do not
+    lower."""
     x = jax.ShapeDtypeStruct((8 * BM, 1024), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((32, 768, 1024) if transpose_rhs else (32, 1024, 768), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((32, n, 1024) if transpose_rhs else (32, 1024, n), jnp.bfloat16)
     groups = jax.ShapeDtypeStruct((8,), jnp.int32)
     jax.jit(lambda x, w, g: tiled.tiled_gmm(x, w, g, transpose_rhs=transpose_rhs)).trace(
         x, w, groups).lower(lowering_platforms=("cuda",))

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 
 from k3jax.config.moe import GroupedMatmul
 from k3jax.devices import hopper_gpus
-from pallas_kernels.row_tiles import TILE_ROWS  # the tile kernels themselves are imported lazily
+from pallas_kernels.row_tiles import TILE_ROWS, column_tile  # the kernels are imported lazily
 
 GROUPED_MATMULS = typing.get_args(GroupedMatmul)
 
 # Tile sizes of jax's Mosaic kernels (H100/H200 friendly; the kernels' own sweeps pick among these).
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _STAGES, _GRID_N = 128, 128, 64, 4, 1
-# The weight gradient in 128 x 128 output tiles: on an H200 at k3_small's experts (384 x 384 from
-# 131,072 rows) 0.116 ms against 0.138 with 64-row tiles.
-_T_BLOCK_M, _T_BLOCK_N, _T_BLOCK_K = 128, 128, 64
+# The weight gradient in output tiles of 128 rows (0.116 ms against 0.138 with 64 on an H200 at
+# k3_small's experts, 384 x 384 from 131,072 rows) by ``column_tile(N)`` columns.
+_T_BLOCK_M, _T_BLOCK_K = 128, 64
 
 
 def check_grouped_matmul(name: str) -> None:
@@ -80,7 +80,8 @@ def _mosaic_covers(x: jax.Array, w: jax.Array) -> bool:
     _, k, n = w.shape
     return (hopper_gpus() and x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
             # forward tiles K by _BLOCK_K and N by _BLOCK_N; the input gradient swaps K and N; the
-            # weight gradient tiles K by _T_BLOCK_M and N by _T_BLOCK_N: multiples of 128 cover all.
+            # weight gradient tiles K by _T_BLOCK_M and N by column_tile(N): multiples of 128
+            # cover all.
             and k % 128 == 0 and n % 128 == 0)
 
 
@@ -118,8 +119,9 @@ def _tiled_kernel(x, w, group_sizes, transpose_rhs=False):
 @jax.jit
 def _weight_grad_kernel(x, g, group_sizes):
     _, transposed = _jax_kernels()
-    return transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M, block_n=_T_BLOCK_N,
-                      block_k=_T_BLOCK_K, max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
+    return transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M,
+                      block_n=column_tile(g.shape[1]), block_k=_T_BLOCK_K,
+                      max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
 
 
 class GMMKernels(NamedTuple):
