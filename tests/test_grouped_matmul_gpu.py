@@ -96,8 +96,9 @@ def test_tile_kernel_writes_every_row_right(transpose_rhs):
 
 def test_weight_gradient_writes_every_element_right():
     """Element by element, the grouped matmul's weight gradient (jax's transposed ragged kernel
-    in 128 x 128 output tiles) at ``k3_small``'s expert products, against the same products in
-    fp32: within two bf16 ulps of the largest value of its row."""
+    in output tiles of 128 rows by ``column_tile(N)``, 192 here) at ``k3_small``'s expert
+    products, against the same products in fp32: within two bf16 ulps of the largest value of its
+    row."""
     groups, rows_per_group, k, n = 16, 8192, 384, 384
     rows = groups * rows_per_group + 16 * 128
     sizes = jnp.full((groups,), rows_per_group, jnp.int32)
