@@ -267,6 +267,23 @@ def test_kda_inverse_variants_lower_for_sm90():
         assert sizes["no_pivots", kernel] < sizes["kernels", kernel]
 
 
+def test_expert_tiles_lower_each_tiling_and_mark_the_shipped_one(capsys):
+    """Each tiling of the tile matmul lowers for sm_90 (here in this process), the tiling swapped
+    in changes the kernel it lowers, and exactly the one the library picks is marked shipped."""
+    bench = _benchmark("expert_tiles")
+    assert bench.main(["--lower-only", "--rows", "512", "--groups", "2", "--dims", "128x384"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    for kernel in ("tile_matmul", "tile_matmul_transposed"):
+        sizes = {tuple(r["tiling"]): r["module_chars"] for r in rows if r["kernel"] == kernel}
+        assert set(sizes) == set(bench.TILE_MATMUL)  # 384 columns take both widths
+        assert len(set(sizes.values())) == len(sizes)
+        assert [r["tiling"] for r in rows if r["kernel"] == kernel and r["shipped"]] == [
+            [192, 2, 64]]
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--lower-only", "--dims", "384x100"])
+    assert refused.value.code == 2 and "--dims" in capsys.readouterr().err
+
+
 def test_kernel_benchmarks_name_a_bad_shape():
     """A shape the kernels cannot take is refused by name before anything is traced."""
     out = _call(["benchmarks/kda_inverse.py", "--lower-only", "--shape", "1,100,2,64"], 120)
