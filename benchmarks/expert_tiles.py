@@ -17,7 +17,7 @@ size of each module printed instead (jax's weight-gradient kernel asks the GPU f
 as it traces, so it needs one).
 
     PYTHONPATH=. python benchmarks/expert_tiles.py [--rows 131072] [--groups 16]
-                                                   [--dims 384x384,768x384] [--lower-only]
+                                                   [--dims 384x384,384x768,768x384] [--lower-only]
                                                    [--out FILE]
 """
 
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=131072, help="rows of x (k3_small: 32 x 2048 x 2)")
     p.add_argument("--groups", type=int, default=16)
-    p.add_argument("--dims", default="384x384,768x384", help="KxN of the products")
+    p.add_argument("--dims", default="384x384,384x768,768x384",
+                   help="KxN of the products (k3_small's experts: 384x384)")
     p.add_argument("--lower-only", action="store_true", help="lower for sm_90 (no GPU needed)")
     p.add_argument("--out")
     a = p.parse_args(argv)

@@ -9,8 +9,9 @@ tiles without importing Mosaic GPU.
 
 TILE_ROWS = 128
 # Output tiles 192 columns wide where the width allows, else 128: a CTA's prologue and store then
-# serve 1.5x the products. At k3_small's expert products on an H100 (docs/benchmarks.md) the tile
-# matmul took 17-20% less time, and jax's transposed kernel for the weight gradient 14-30% less.
+# serve 1.5x the products. At k3_small's expert products (384 x 384) on an H100
+# (docs/benchmarks.md) the tile matmul took 10-20% less time, and jax's transposed kernel for the
+# weight gradient 30% less.
 WIDE_COLUMNS, COLUMNS = 192, 128
 
 

@@ -30,9 +30,9 @@ from jax import lax
 from pallas_kernels.row_tiles import COLUMNS, TILE_ROWS, WIDE_COLUMNS, column_tile
 
 BLOCK_M, BLOCK_K = TILE_ROWS, 64
-# Slots of the pipeline over K by the output tile's width: at k3_small's expert products (K = 384
-# or 768, N = 384) three were the fastest of two to four for 128-column tiles, two for 192 (one
-# H100; docs/benchmarks.md).
+# Slots of the pipeline over K by the output tile's width: at k3_small's expert products (K = N =
+# 384) and at K = 768, three were the fastest of two to four for 128-column tiles, two for 192
+# (one H100; docs/benchmarks.md).
 SLOTS = {COLUMNS: 3, WIDE_COLUMNS: 2}
 
 
