@@ -4,7 +4,7 @@ Two kernels run every MoE layer's expert products on a Hopper GPU (``grouped_mat
 
 - ``tile_matmul``: ``pallas_kernels/tiled_gmm.py``, the forward and (``transposed``) the input
   gradient; a tiling is ``columns x slots x K step`` (the rows are the dispatch's 128-row tiles).
-  Each variant swaps the module's tile choice while the kernel is traced.
+  Each variant swaps the module's ``tiling`` while the kernel is traced.
 - ``weight_grad``: jax's transposed grouped matmul, the weight gradient ``[G, K, N]``; a tiling is
   ``rows x columns x slots x K step`` of its output tiles, passed as its arguments.
 
@@ -35,7 +35,7 @@ from _timing import error_text, output, timed
 from k3jax.devices import hopper_gpus
 from k3jax.ops import grouped_matmul
 from pallas_kernels import tiled_gmm
-from pallas_kernels.row_tiles import TILE_ROWS, column_tile
+from pallas_kernels.row_tiles import TILE_ROWS
 
 # columns x slots x K step; the first of each list is the reference of max_diff
 TILE_MATMUL = ((128, 3, 64), (128, 2, 64), (128, 4, 64), (128, 2, 128), (192, 3, 64),
@@ -47,10 +47,8 @@ WEIGHT_GRAD = ((128, 128, 4, 64), (128, 128, 3, 64), (128, 128, 2, 64), (128, 19
 
 
 def _tile_matmul(x, w, tile_group, transposed: bool, tiling, lower_only: bool) -> dict:
-    cols, slots, k_step = tiling
-    swap = {"column_tile": lambda n: cols, "SLOTS": {cols: slots}, "BLOCK_K": k_step}
     fn = jax.jit(lambda x, w, t: tiled_gmm.tiled_gmm(x, w, t, transpose_rhs=transposed))
-    with ablations.swapped(tiled_gmm, swap):
+    with ablations.swapped(tiled_gmm, {"tiling": lambda n: tiling}):
         if lower_only:
             lowered = fn.trace(x, w, tile_group).lower(lowering_platforms=("cuda",))
             return {"module_chars": len(lowered.as_text())}
@@ -58,12 +56,7 @@ def _tile_matmul(x, w, tile_group, transposed: bool, tiling, lower_only: bool) -
 
 
 def _weight_grad(x, g, sizes, tiling) -> dict:
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-    rows, cols, slots, k_step = tiling
-    fn = jax.jit(lambda x, g, s: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x, g, group_sizes=s, block_m=rows, block_n=cols, block_k=k_step,
-        max_concurrent_steps=slots, grid_block_n=1))
+    fn = jax.jit(lambda x, g, s: grouped_matmul.weight_grad_on_tiles(x, g, s, tiling))
     return {"out": fn(x, g, sizes), "ms": timed(fn, (x, g, sizes), 20, 5)}
 
 
@@ -73,8 +66,6 @@ def _records(kernel: str, k: int, n: int, rows: int, tilings, run, shipped) -> l
     for tiling in tilings:
         rec = {"bench": "expert_tiles", "kernel": kernel, "K": k, "N": n, "tiling": list(tiling),
                "shipped": tiling == shipped}
-        if n % tiling[-3]:  # the columns must divide N
-            continue
         try:
             result = run(tiling)
         except Exception as e:  # a tiling that does not fit (shared memory, registers): say so
@@ -125,19 +116,19 @@ def main(argv=None) -> int:
             for transposed in (False, True):
                 w = (jax.random.normal(keys[1], (a.groups, n, k) if transposed
                                        else (a.groups, k, n), jnp.bfloat16) / k**0.5)
-                shipped = (column_tile(n), tiled_gmm.SLOTS[column_tile(n)], tiled_gmm.BLOCK_K)
                 name = "tile_matmul_transposed" if transposed else "tile_matmul"
-                for rec in _records(name, k, n, a.rows, TILE_MATMUL, lambda t: _tile_matmul(
-                        x, w, tile_group, transposed, t, a.lower_only), shipped):
+                tilings = [t for t in TILE_MATMUL if n % t[0] == 0]  # the columns divide N
+                for rec in _records(name, k, n, a.rows, tilings, lambda t: _tile_matmul(
+                        x, w, tile_group, transposed, t, a.lower_only), tiled_gmm.tiling(n)):
                     emit(rec)
                     failed |= "error" in rec
             if a.lower_only:
                 continue
             g = jax.random.normal(keys[2], (a.rows, n), jnp.bfloat16)
-            shipped = (grouped_matmul._T_BLOCK_M, column_tile(n), grouped_matmul._STAGES,
-                       grouped_matmul._T_BLOCK_K)
-            for rec in _records("weight_grad", k, n, a.rows, WEIGHT_GRAD,
-                                lambda t: _weight_grad(x, g, sizes, t), shipped):
+            tilings = [t for t in WEIGHT_GRAD if n % t[1] == 0]
+            for rec in _records("weight_grad", k, n, a.rows, tilings,
+                                lambda t: _weight_grad(x, g, sizes, t),
+                                grouped_matmul.weight_grad_tiling(n)):
                 emit(rec)
     return 1 if failed and a.lower_only else 0
 

@@ -36,6 +36,12 @@ BLOCK_M, BLOCK_K = TILE_ROWS, 64
 SLOTS = {COLUMNS: 3, WIDE_COLUMNS: 2}
 
 
+def tiling(n: int) -> tuple[int, int, int]:
+    """``(columns, slots, K step)`` of the kernel for an output ``N`` columns wide."""
+    columns = column_tile(n)
+    return columns, SLOTS[columns], BLOCK_K
+
+
 def tiled_gmm_reference(x, w, tile_group, *, transpose_rhs: bool = False):
     """``out[r] = x[r] @ w[tile_group[r // BLOCK_M]]`` (zero where the tile's group is ``-1``),
     fp32 accumulation, ``x.dtype`` out.
@@ -71,7 +77,7 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
     check_tiled_gmm_args(x, w, tile_group, transpose_rhs)
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    block_n = column_tile(n)
+    block_n, slots, block_k = tiling(n)
 
     def body(group_ref, x_ref, w_ref, o_ref):
         ni, mi = lax.axis_index("n"), lax.axis_index("m")
@@ -84,13 +90,13 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
                     plgpu.wgmma(acc_ref, x_smem, w_smem.T if transpose_rhs else w_smem)
 
                 # delay_release: the asynchronous product of a step still reads its slot.
-                w_spec = (plgpu.BlockSpec((block_n, BLOCK_K), lambda kk: (ni, kk), delay_release=1)
+                w_spec = (plgpu.BlockSpec((block_n, block_k), lambda kk: (ni, kk), delay_release=1)
                           if transpose_rhs else
-                          plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, ni), delay_release=1))
-                x_spec = plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda kk: (mi, kk), delay_release=1)
+                          plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni), delay_release=1))
+                x_spec = plgpu.BlockSpec((BLOCK_M, block_k), lambda kk: (mi, kk), delay_release=1)
                 plgpu.emit_pipeline(
-                    step, grid=(k // BLOCK_K,), in_specs=[x_spec, w_spec],
-                    max_concurrent_steps=SLOTS[block_n],
+                    step, grid=(k // block_k,), in_specs=[x_spec, w_spec],
+                    max_concurrent_steps=slots,
                 )(x_ref, w_ref.at[group])
                 return acc_ref[...]
 
@@ -114,4 +120,5 @@ def tiled_gmm(x, w, tile_group, *, transpose_rhs: bool = False, interpret: bool 
     return run(tile_group, x, w)
 
 
-__all__ = ["BLOCK_K", "BLOCK_M", "check_tiled_gmm_args", "tiled_gmm", "tiled_gmm_reference"]
+__all__ = ["BLOCK_K", "BLOCK_M", "check_tiled_gmm_args", "tiled_gmm", "tiled_gmm_reference",
+           "tiling"]

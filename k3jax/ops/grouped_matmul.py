@@ -116,12 +116,24 @@ def _tiled_kernel(x, w, group_sizes, transpose_rhs=False):
     return tiled_gmm(x, w, tile_groups(group_sizes, x.shape[0]), transpose_rhs=transpose_rhs)
 
 
+def weight_grad_tiling(n: int) -> tuple[int, int, int, int]:
+    """``(rows, columns, slots, K step)`` of the weight gradient's output tiles for a cotangent
+    ``N`` columns wide (the rows tile the input's width)."""
+    return _T_BLOCK_M, column_tile(n), _STAGES, _T_BLOCK_K
+
+
+def weight_grad_on_tiles(x, g, group_sizes, tiling: tuple[int, int, int, int]):
+    """``[G, K, N]`` weight gradient of ``x [M, K]`` and ``g [M, N]`` by jax's transposed Mosaic
+    kernel at ``tiling`` (:func:`weight_grad_tiling`'s form)."""
+    _, transposed = _jax_kernels()
+    rows, columns, slots, k_step = tiling
+    return transposed(x, g, group_sizes=group_sizes, block_m=rows, block_n=columns,
+                      block_k=k_step, max_concurrent_steps=slots, grid_block_n=_GRID_N)
+
+
 @jax.jit
 def _weight_grad_kernel(x, g, group_sizes):
-    _, transposed = _jax_kernels()
-    return transposed(x, g, group_sizes=group_sizes, block_m=_T_BLOCK_M,
-                      block_n=column_tile(g.shape[1]), block_k=_T_BLOCK_K,
-                      max_concurrent_steps=_STAGES, grid_block_n=_GRID_N)
+    return weight_grad_on_tiles(x, g, group_sizes, weight_grad_tiling(g.shape[1]))
 
 
 class GMMKernels(NamedTuple):
@@ -170,4 +182,4 @@ kernel_gmm.defvjp(_kernel_gmm_fwd, _kernel_gmm_bwd)
 
 __all__ = ["GMMKernels", "GROUPED_MATMULS", "RAGGED_KERNELS", "TILED_KERNELS",
            "check_grouped_matmul", "grouped_matmul", "kernel_gmm", "row_alignment", "runs_on_tiles",
-           "tile_groups"]
+           "tile_groups", "weight_grad_on_tiles", "weight_grad_tiling"]
