@@ -46,7 +46,7 @@ def _tiny_hf_dir(directory: Path) -> Path:
     return directory
 
 
-def test_from_hf_workdir_evaluates_fine_tunes_and_exports(tmp_path):
+def test_from_hf_workdir_evaluates_fine_tunes_and_exports(tmp_path, restore_cache_config):
     hf_dir = _tiny_hf_dir(tmp_path / "source")
     out = tmp_path / "run"
     args = ["from-hf", str(hf_dir), "--out", str(out)]

@@ -50,8 +50,8 @@ STATE = {"params": {"w": np.arange(12, dtype=np.float32).reshape(3, 4)},
 
 
 @pytest.fixture
-def train_main():
-    """``train.py``'s ``main``, in this process (whose persistent cache conftest keeps off)."""
+def train_main(restore_cache_config):
+    """``train.py``'s ``main``, in this process (the suite's cache options restored after)."""
     spec = importlib.util.spec_from_file_location("k3jax_train_script", ROOT / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
