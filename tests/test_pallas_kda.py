@@ -21,6 +21,7 @@ from helpers import (
     kda_fp32_case,
 )
 
+import pallas_kernels.kda as kda_module
 from k3jax.ops.kda_gate import bounded_gate
 from k3jax.ops.kda_reference import kda_reference
 from k3jax.ops.tolerance import (
@@ -30,7 +31,7 @@ from k3jax.ops.tolerance import (
     FP32_TOL,
     rel_rms,
 )
-from pallas_kernels.kda import INVERSE_CHAINS, kda_pallas, supports
+from pallas_kernels.kda import kda_pallas, supports
 from pallas_kernels.kda_prep import (
     Prepared,
     prepare,
@@ -373,7 +374,26 @@ def test_kda_pallas_head_dim_128_two_value_tiles():
     _check_all(args, None, do, dfin)
 
 
-def test_kda_pallas_many_chains_with_states():
+# (batch, head) chains of the tests of the path taken above ``INVERSE_CHAINS`` chains, which
+# ``few_inverse_chains`` lowers to 2 for them: the interpreter's time grows with the chains (a test
+# took 40 s at 9 chains on a 2-core machine, 23 s at 3). Up to 16 chains the state kernels take
+# the same 32-wide value tiles.
+INVERSE_PATH_CHAINS = 3
+
+
+@pytest.fixture()
+def few_inverse_chains(monkeypatch):
+    """``INVERSE_CHAINS`` lowered below ``INVERSE_PATH_CHAINS``, and the list of the calls of the
+    op's path above it (so a test can check that it took that path)."""
+    calls = []
+    above = kda_module._kda_applying_inverse
+    monkeypatch.setattr(kda_module, "INVERSE_CHAINS", INVERSE_PATH_CHAINS - 1)
+    monkeypatch.setattr(kda_module, "_kda_applying_inverse",
+                        lambda *args: calls.append(args[0].shape) or above(*args))
+    return calls
+
+
+def test_kda_pallas_many_chains_with_states(few_inverse_chains):
     """More than ``INVERSE_CHAINS`` (batch, head) chains with packed segments, initial and final
     state. Differentiated, the call goes through ``W`` and ``U`` (the backward needs them) by way
     of the op's custom VJP, which hands on the initial state's gradient and the final state's
@@ -381,21 +401,22 @@ def test_kda_pallas_many_chains_with_states():
     takes the state pass that applies the chunk inverse (at 32-wide value tiles): o and the final
     state within the bf16 output tolerance. One chunk: that state pass over several chunks is
     ``test_state_pass_applying_inverse_matches_plain_jax``'s."""
-    args, do, dfin = _bf16_case(6, 1, 64, INVERSE_CHAINS + 1, 64, 64, "softplus")
+    args, do, dfin = _bf16_case(6, 1, 64, INVERSE_PATH_CHAINS, 64, 64, "softplus")
     seg = jnp.array([[0] * 40 + [1] * 24])
     ref_o, ref_f = _check_all(args, seg, do, dfin)
     o, f = jax.jit(lambda q, k, v, g, beta, h0: kda_pallas(
         _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, initial_state=h0, segment_ids=seg,
         output_final_state=True, interpret=True))(*args)
+    assert len(few_inverse_chains) == 2  # the differentiated call and the forward alone
     assert rel_rms(ref_o, o) <= BF16_OUT_TOL and rel_rms(ref_f, f) <= BF16_OUT_TOL
 
 
-def test_kda_pallas_without_initial_or_final_state():
+def test_kda_pallas_without_initial_or_final_state(few_inverse_chains):
     """The training call: no initial state and no final state returned, so the state kernels
     read neither an initial state nor the final state's cotangent and write no initial-state
     gradient. More than ``INVERSE_CHAINS`` chains: the values through both forward paths and the
     five gradients within math §10's bf16 tolerances."""
-    args, do, _ = _bf16_case(7, 1, 64, INVERSE_CHAINS + 1, 64, 64, "softplus")
+    args, do, _ = _bf16_case(7, 1, 64, INVERSE_PATH_CHAINS, 64, 64, "softplus")
     ker = lambda q, k, v, g, beta: kda_pallas(  # noqa: E731
         _bf16(q), _bf16(k), _bf16(v), g, beta, scale=0.125, interpret=True)
     ref = lambda *a: (kda_reference(*a, scale=0.125)[0], None)  # noqa: E731
@@ -405,6 +426,7 @@ def test_kda_pallas_without_initial_or_final_state():
         return _values_and_grads(ref, a, do, None), _values_and_grads(ker, a, do, None), ker(*a)
 
     ((ro, _), rg), ((o, final), kg), (alone, final_alone) = run(args[:5])
+    assert len(few_inverse_chains) == 2  # the differentiated call and the forward alone
     assert final is None and final_alone is None  # without a gradient to follow: the other path
     assert rel_rms(ro, o) <= BF16_OUT_TOL and rel_rms(ro, alone) <= BF16_OUT_TOL
     for name, r, x in zip(NAMES, rg, kg):
