@@ -26,35 +26,57 @@ ON_GPU = pytest.param(False, id="gpu", marks=pytest.mark.skipif(
     not hopper_gpus(), reason="needs an sm_90 (H100/H200) GPU"))
 
 
+def _chunks_on_both_sides_of_the_bound(key, dk):
+    """Gates ``[2, 128, 2, dk]`` (batch, chunk and head each change the flags): head 0's chunks
+    are, batch row by row, K3's lower-bound gate (bounded) and a gate of -4.9 a token with one
+    channel of the last tile at -5.1 (81.6 nats from a 32-row block's row 0 to its row 16: not
+    bounded); K3's gate with one channel of a softplus gate (not bounded) and -4.9 at every token
+    (78.4 nats: bounded). Head 1 takes softplus-sized gates (several nats a token: not
+    bounded)."""
+    kf, ks, kc = jax.random.split(key, 3)
+    shape = (2, 128, 2, dk)
+    g = -jnp.exp(1.5) * jax.nn.softplus(2.0 * jax.random.normal(ks, shape))
+    g = g.at[:, :, 0].set(-5.0 * jax.nn.sigmoid(jax.random.normal(kf, (2, 128, dk))))
+    g = g.at[0, 64:, 0].set(-4.9).at[0, 64:, 0, dk - 1].set(-5.1)
+    g = g.at[1, :64, 0, 3].set(-20.0 * jax.nn.softplus(jax.random.normal(kc, (64,))))
+    return g.at[1, 64:, 0].set(-4.9)
+
+
+BOTH_SIDES_FLAGS = [[[1, 0], [0, 0]], [[0, 1], [0, 0]]]  # [B, H, NC] of the gates above
+
+
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreter"), ON_GPU])
 @pytest.mark.parametrize("dk", [64, 128])
-def test_cumsum_and_its_reverse_match_sequential_cumsum(dk, interpret):
+def test_cumsum_flags_and_reverse_match_sequential_cumsum(dk, interpret):
     """``G`` (layout [B, T, H, K] -> [B, H, T, K]) and the reverse cumsum (back) against the fp32
-    sequential cumsum and its VJP, softplus-sized gates (tens of nats a chunk), a random cotangent,
-    within FP32_TOL, and bit for bit against numpy's running fp32 sums down (up) each chunk, the
-    kernels' order of additions; in the interpreter and, where there is one, compiled for the
-    GPU."""
+    sequential cumsum and its VJP, a random cotangent, within FP32_TOL, and bit for bit against
+    numpy's running fp32 sums down (up) each chunk, the kernels' order of additions; the
+    kernel's per-chunk flags (the scores' fast path) equal ``bounded_chunks`` of the sequential
+    cumsum, on chunks at either side of ``BOUND`` (:func:`_chunks_on_both_sides_of_the_bound`);
+    in the interpreter and, where there is one, compiled for the GPU."""
     @jax.jit  # inputs, the reference's value and VJP in one compile
     def reference(key):
         kg, kq, kc = jax.random.split(key, 3)
-        g = -jnp.exp(1.5) * jax.nn.softplus(2.0 * jax.random.normal(kg, (2, 128, 3, dk)))
+        g = _chunks_on_both_sides_of_the_bound(kg, dk)
         qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
         ref, ref_vjp = jax.vjp(chunk_cumsum_reference, g)
         ct = jax.random.normal(kc, ref.shape)
         return g, qk, ref, ct, ref_vjp(ct)[0]
 
     g, qk, ref, ct, ref_back = reference(jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(bounded_chunks(ref), BOTH_SIDES_FLAGS)
     # jitted: the interpreter is far slower op by op
-    out = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0,
-                                                 interpret=interpret)[0])(g, qk)
-    assert out.shape == (2, 3, 128, dk) and out.dtype == jnp.float32
+    out, flags = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0,
+                                                        interpret=interpret)[::5])(g, qk)
+    assert out.shape == (2, 2, 128, dk) and out.dtype == jnp.float32
     assert rel_rms(ref, out) <= FP32_TOL
+    np.testing.assert_array_equal(flags, BOTH_SIDES_FLAGS)
     back = jax.jit(lambda ct: reverse_cumsum(ct, interpret=interpret))(ct)
     assert back.shape == g.shape and rel_rms(ref_back, back) <= FP32_TOL
-    chunks = np.asarray(g).reshape(2, 2, 64, 3, dk)  # [B, NC, C, H, K]
+    chunks = np.asarray(g).reshape(2, 2, 64, 2, dk)  # [B, NC, C, H, K]
     running = np.cumsum(chunks, axis=2, dtype=np.float32).reshape(g.shape)
     np.testing.assert_array_equal(out, np.swapaxes(running, 1, 2))
-    ct_chunks = np.swapaxes(np.asarray(ct), 1, 2).reshape(2, 2, 64, 3, dk)
+    ct_chunks = np.swapaxes(np.asarray(ct), 1, 2).reshape(2, 2, 64, 2, dk)
     upward = np.flip(np.cumsum(np.flip(ct_chunks, 2), axis=2, dtype=np.float32), 2)
     np.testing.assert_array_equal(back, upward.reshape(g.shape))
 
@@ -73,8 +95,10 @@ def test_cumsum_and_its_reverse_through_the_bounded_gate(dk, interpret):
     @jax.jit
     def reference(key):
         kz, kb, kq, kc = jax.random.split(key, 4)
-        z = 2.0 * jax.random.normal(kz, (2, 128, 3, dk))
-        b = jax.random.normal(kb, (3, dk))
+        # two batch rows of two chunks (the bias's gradient sums per-chunk parts of each), one
+        # head (the bias's rows per head: tests/test_pallas_kda.py, end to end)
+        z = 2.0 * jax.random.normal(kz, (2, 128, 1, dk))
+        b = jax.random.normal(kb, (1, dk))
         qk = jax.random.normal(kq, z.shape).astype(jnp.bfloat16)
         ref, ref_vjp = jax.vjp(lambda z, b: chunk_cumsum_reference(bounded_gate(z + b, bound)),
                                z, b)
@@ -89,28 +113,6 @@ def test_cumsum_and_its_reverse_through_the_bounded_gate(dk, interpret):
         ct, z, b, lower_bound=bound, interpret=interpret))(ct, z, b)
     assert dz.shape == z.shape and db.shape == b.shape
     assert rel_rms(ref_dz, dz) <= FP32_TOL and rel_rms(ref_db, db) <= FP32_TOL
-
-
-@pytest.mark.parametrize("dk", [64, 128])
-def test_bounded_flags_match_their_reference_on_both_sides_of_the_bound(dk):
-    """The kernel's per-chunk flags (the scores' fast path) equal ``bounded_chunks`` of the
-    sequential cumsum, on chunks at either side of ``BOUND``: a gate of -4.9 a token (78.4 nats
-    from a 32-row block's row 0 to its row 16: bounded), one channel of the last tile at -5.1
-    (81.6 nats: not bounded), one channel with a softplus gate (not bounded); the other head takes
-    K3's lower-bound gate (every chunk bounded)."""
-    b, t, h = 1, 4 * 64, 2
-    kg, kq = jax.random.split(jax.random.PRNGKey(1))
-    g = jnp.full((b, t, h, dk), -1.0)
-    g = g.at[:, 64:128, 0].set(-4.9)
-    g = g.at[:, 128:192, 0, dk - 1].set(-5.1)
-    g = g.at[:, 192:, 0, 3].set(-20.0 * jax.nn.softplus(jax.random.normal(kg, (b, 64))))
-    g = g.at[:, :, 1].set(-5.0 * jax.nn.sigmoid(jax.random.normal(kg, (b, t, dk))))
-    qk = jax.random.normal(kq, g.shape).astype(jnp.bfloat16)
-    flags = jax.jit(lambda g, qk: cumsum_and_gates(g, qk, qk, scale=1.0, interpret=True)[-1])(
-        g, qk)
-    expected = [[[1, 1, 0, 0], [1, 1, 1, 1]]]
-    np.testing.assert_array_equal(bounded_chunks(chunk_cumsum_reference(g)), expected)
-    np.testing.assert_array_equal(flags, expected)
 
 
 @pytest.mark.parametrize("dk", [64, 128])

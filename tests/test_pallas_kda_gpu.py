@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import gate_bias_grad_error, kda_bf16_case, kda_fp32_case
+from helpers import bf16_rounded, gate_bias_grad_error, kda_bf16_case, kda_fp32_case
 
 from k3jax.devices import hopper_gpus
 from k3jax.ops.kda_gate import bounded_gate
@@ -87,6 +88,7 @@ def test_fp32_inputs_on_gpu():
     """fp32 q, k, v off the bf16 grid through the kernels as they are (K = 128, T = 1000, 2 x 4
     heads): o and every gradient in fp32, within math §10's bf16 tolerances (bf16 operands)."""
     args, do, dfin = kda_fp32_case(11, 2, 1000, 4, 128, 128)
+    assert not any(np.all(bf16_rounded(x) == x) for x in args[:3])  # off the bf16 grid
     _check_on_gpu("fp32 inputs", args, do, dfin, inputs=lambda x: x)
 
 

@@ -2,8 +2,8 @@
 ``X = beta xk``, ``Y = beta v``, as Mosaic GPU kernels (``pallas_kernels.kda_solve.wy``) in the CPU
 interpreter, against a triangular solve and matmuls in fp32: random chunks and the correlated-keys
 regime where inverses built from powers of ``L`` fail; every gradient of the backward kernel against
-autodiff of the reference; bf16 operands; ``kda_pallas`` end to end on correlated keys; lowering for
-sm_90.
+autodiff of the reference; bf16 operands; lowering for sm_90. (``kda_pallas`` end to end on
+correlated keys: tests/test_pallas_kda.py.)
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import kda_correlated_keys_case
-from test_pallas_kda import _check_all
 
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels._mgpu import CHUNK
@@ -46,6 +44,13 @@ def _akk_and_beta(correlated: bool, b: int, h: int, n: int, seed: int):
             jnp.asarray(beta, jnp.float32))
 
 
+def _random_and_correlated(h: int, n: int, seed: int):
+    """:func:`_akk_and_beta` of two batch rows: random chunks in row 0, correlated keys in row 1
+    (one run of a kernel covers both regimes)."""
+    rows = [_akk_and_beta(correlated, 1, h, n, seed) for correlated in (False, True)]
+    return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*rows))
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _normals(seed, shape_a, shape_b):
     """Two standard normal arrays drawn from ``key(seed)`` split in two (one compile)."""
@@ -53,9 +58,11 @@ def _normals(seed, shape_a, shape_b):
     return jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
 
 
-def _case(correlated: bool, b: int, h: int, n: int, dk: int, dv: int, seed: int):
-    """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32."""
-    akk, beta = _akk_and_beta(correlated, b, h, n, seed)
+def _case(correlated: bool | None, b: int, h: int, n: int, dk: int, dv: int, seed: int):
+    """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32; ``correlated``
+    None: :func:`_random_and_correlated` (``b`` = 2)."""
+    akk, beta = (_random_and_correlated(h, n, seed) if correlated is None
+                 else _akk_and_beta(correlated, b, h, n, seed))
     tp = n * CHUNK
     return akk, beta, *_normals(seed, (b, h, tp, dk), (b, tp, h, dv))
 
@@ -93,47 +100,49 @@ def _assert_akk_grad_strict(dakk):
     assert np.any(chunks[:, STRICT] != 0)
 
 
-@pytest.mark.parametrize("correlated", [False, True])
-def test_inverse_matches_triangular_solve(correlated):
+def test_inverse_matches_triangular_solve():
     """``W`` with ``beta = 1``, ``xk = I`` is ``T``: exact elimination on the 16x16 blocks,
-    split-bf16 merges, within §10's FP32_TOL of the fp32 solve, also where powers of ``L`` reach
-    1e16."""
+    split-bf16 merges, within §10's FP32_TOL of the fp32 solve, on random chunks (batch row 0)
+    and where powers of ``L`` reach 1e16 (row 1)."""
     @jax.jit  # kernel and reference in one compile
     def inverse_and_reference(akk, beta):
         akk = akk * beta[..., None]                 # beta folded into Akk: L = akk
-        eye = jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1))[None, None]
-        t, _ = wy(akk, jnp.ones_like(beta), eye, jnp.zeros((1, 2 * CHUNK, 1, CHUNK)),
+        eye = jnp.broadcast_to(jnp.tile(jnp.eye(CHUNK, dtype=jnp.float32), (2, 1)),
+                               (2, 1, 2 * CHUNK, CHUNK))
+        t, _ = wy(akk, jnp.ones_like(beta), eye, jnp.zeros((2, 2 * CHUNK, 1, CHUNK)),
                   interpret=True)
         return t, unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
 
-    t, ref = inverse_and_reference(*_akk_and_beta(correlated, 1, 1, 2, seed=0))
-    assert rel_rms(ref, t) <= FP32_TOL
+    t, ref = inverse_and_reference(*_random_and_correlated(1, 2, seed=0))
+    for row in range(2):
+        assert rel_rms(ref[row], t[row]) <= FP32_TOL, row
 
 
-@pytest.mark.parametrize("correlated", [False, True])
-def test_scaled_inverse_matches_reference(correlated):
+def test_scaled_inverse_matches_reference():
     """``T diag(beta)`` (for a state pass that applies it) within bf16 rounding (math §10's bf16
-    output tolerance) of the fp32 solve, two batches and heads, also where powers of ``L`` reach
-    1e16."""
-    akk, beta = _akk_and_beta(correlated, 2, 2, 2, seed=3)
+    output tolerance) of the fp32 solve, two chunks of random keys (batch row 0) and two where
+    powers of ``L`` reach 1e16 (row 1)."""
+    akk, beta = _random_and_correlated(1, 2, seed=3)
     tb = jax.jit(functools.partial(scaled_inverse, interpret=True))(akk, beta)
     ref = jax.jit(scaled_inverse_reference)(akk, beta)
     assert tb.dtype == jnp.bfloat16 and tb.shape == akk.shape
-    assert rel_rms(ref, tb) <= BF16_OUT_TOL
+    for row in range(2):
+        assert rel_rms(ref[row], tb[row]) <= BF16_OUT_TOL, row
 
 
-@pytest.mark.parametrize("correlated, b, h", [(False, 2, 2), (True, 1, 2)])
-def test_wy_values_and_gradients_match_reference(correlated, b, h):
+def test_wy_values_and_gradients_match_reference():
     """``W, U`` (K = 128, V = 64) and the gradients of ``akk``, ``beta``, ``xk``, ``v``
-    (token-major, several batches and heads) against autodiff of the fp32 reference, FP32_TOL;
-    ``dAkk`` is exactly zero on and above the diagonal."""
-    args = _case(correlated, b, h, 2, 128, 64, seed=1)
+    (token-major) against autodiff of the fp32 reference, FP32_TOL, two chunks of random keys
+    (batch row 0) and two of correlated keys (row 1); ``dAkk`` is exactly zero on and above the
+    diagonal."""
+    args = _case(None, 2, 1, 2, 128, 64, seed=1)
     cts = _cotangents(args[2].shape, args[2].shape[:3] + (64,), seed=1)
     out, grads, ref, ref_grads = _run(args, cts, jnp.float32)
     assert [o.dtype for o in out] == [jnp.float32] * 2
-    _assert_close(ref, out, ("w", "u"), FP32_TOL)
     assert [g.shape for g in grads] == [a.shape for a in args]
-    _assert_close(ref_grads, grads, NAMES, FP32_TOL)
+    for row in range(2):
+        _assert_close([r[row] for r in ref], [o[row] for o in out], ("w", "u"), FP32_TOL)
+        _assert_close([r[row] for r in ref_grads], [g[row] for g in grads], NAMES, FP32_TOL)
     _assert_akk_grad_strict(grads[0])
 
 
@@ -141,8 +150,8 @@ def test_wy_bf16_operands():
     """bf16 ``xk``, ``v`` and ``W`` against the fp32 reference on the same bf16 values (and the same
     bf16 cotangent of ``W``): what comes out in bf16 (``W``, ``dxk``, ``dv``) within math §10's bf16
     tolerances, what comes out in fp32 (``U``, ``dAkk``, ``dbeta``) within FP32_TOL; outputs and
-    gradients in the promised dtypes."""
-    akk, beta, xk, v = _case(False, 2, 2, 1, 64, 128, seed=2)
+    gradients in the promised dtypes. Two heads of two chunks."""
+    akk, beta, xk, v = _case(False, 1, 2, 2, 64, 128, seed=2)
     args = (akk, beta, xk.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     cts = _cotangents(xk.shape, xk.shape[:3] + (128,), seed=2)
     out, grads, ref, ref_grads = _run(args, cts, jnp.bfloat16)
@@ -153,13 +162,6 @@ def test_wy_bf16_operands():
     _assert_close(ref_grads[:2], grads[:2], NAMES[:2], FP32_TOL)
     _assert_close(ref_grads[2:], grads[2:], NAMES[2:], BF16_GRAD_QKV_TOL)
     _assert_akk_grad_strict(grads[0])
-
-
-def test_kda_pallas_on_correlated_keys():
-    """End to end (interpreted kernels), values and all six gradients at math §10's bf16
-    tolerances, in the regime where power-based inverses fail."""
-    args, do, dfin = jax.jit(kda_correlated_keys_case)()
-    _check_all(args, None, do, dfin)
 
 
 @pytest.mark.parametrize("width, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
