@@ -81,11 +81,14 @@ def test_an_id_that_comes_back_starts_a_new_document_in_the_cache(name):
     first (and decoded after it), must not attend to the first document's cached positions."""
     cfg, variables = generation_case(name)
     rng = np.random.default_rng(2)
-    tokens = rng.integers(1, cfg.vocab_size, (2, 44)).astype(np.int32)
-    runs = np.repeat(np.array([1, 2, 1]), [12, 12, 20])  # the third run starts inside piece 2
+    # The shapes of test_prefill_then_decode_equals_one_forward (rows, prompt and total length),
+    # so the compiled forward, prefill piece and decode step are that test's.
+    prompt, total = max(PROMPT_LENS), max(PROMPT_LENS) + NEW_TOKENS
+    tokens = rng.integers(1, cfg.vocab_size, (len(PROMPT_LENS), total)).astype(np.int32)
+    runs = np.repeat(np.array([1, 2, 1]), [12, 12, total - 24])  # the third starts inside piece 2
     segments = np.broadcast_to(runs, tokens.shape).astype(np.int32)
     want = forward_logits(cfg, variables, tokens, segments)
-    got = cached_logits(cfg, variables, tokens, segments, 40)
+    got = cached_logits(cfg, variables, tokens, segments, prompt)
     assert rel_rms(want, got) <= CACHED_FP32_TOL, name
 
 
@@ -96,8 +99,9 @@ def test_decode_reads_nothing_back_from_the_device():
     an accelerator; on the CPU, where none is a transfer, the count's type does.)"""
     cfg, variables = generation_case("kda")
     tokens, segments = left_pad(_prompts(cfg.vocab_size))
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1] + 2)
-    _, cache = prefill(cfg, variables, tokens, cache, segments, chunk=CHUNK)
+    # The cache and prefill of test_prefill_then_decode_equals_one_forward: its compiled steps.
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1] + NEW_TOKENS + 4)
+    _, cache = prefill(cfg, variables, tokens, cache, segments, chunk=CHUNK, all_logits=True)
     token = jnp.ones((tokens.shape[0],), jnp.int32)
     with jax.transfer_guard_device_to_host("disallow"):
         for step in range(1, 3):

@@ -41,11 +41,17 @@ def _variables(module, x, **kw):
     """The module's initial variables with every parameter moved by N(0, 0.3^2): as initialised, the
     norm weights are 1 and the lower-bound gate's ``A_log`` is 0, so a weight applied in the wrong
     place, or ``A_log`` ignored, would pass."""
-    v = nn.meta.unbox(jax.jit(functools.partial(module.init, **kw))(jax.random.key(0), x))
+    v = nn.meta.unbox(_jitted_init(module, tuple(kw.items()))(jax.random.key(0), x))
     leaves, tree = jax.tree.flatten(v["params"])
     rng = np.random.default_rng(1)
     moved = [np.asarray(p) + 0.3 * rng.standard_normal(p.shape).astype(p.dtype) for p in leaves]
     return {**v, "params": jax.tree.unflatten(tree, moved)}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_init(module, kw):
+    """One compiled initialiser per module (modules of equal configs are equal)."""
+    return jax.jit(functools.partial(module.init, **dict(kw)))
 
 
 def _x(seed: int, shape, scale: float = 1.0) -> np.ndarray:
@@ -53,21 +59,36 @@ def _x(seed: int, shape, scale: float = 1.0) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _value_and_input_grad(f, x, cotangent):
-    """``f(x)`` and the gradient of ``sum(f(x) * cotangent)`` with respect to ``x``."""
-    out, pull = jax.vjp(f, x)
+def _value_and_input_grad(f, args, x, cotangent):
+    """``f(*args, x)`` and the gradient of ``sum(f(*args, x) * cotangent)`` with respect to ``x``.
+    ``f`` is static (one compile per function object), its other arguments traced: cases that
+    differ only in the parameters' values or the segment ids run one compiled program."""
+    out, pull = jax.vjp(lambda x: f(*args, x), x)
     return out, pull(cotangent)[0]
 
 
-def _assert_layer_is_formula(layer_fn, formula_fn, x, tol=FP32_TOL):
+def _assert_layer_is_formula(layer, formula, x, tol=FP32_TOL):
     """Values and input gradients (under a random cotangent, which weighs every output) of the
-    layer and its reference agree within ``tol``."""
+    layer and its reference agree within ``tol``. ``layer`` and ``formula`` are ``(f, args)``
+    pairs, run as ``f(*args, x)``; the formula may be the values it computed already."""
     cotangent = _x(99, x.shape)
-    want, want_dx = _value_and_input_grad(formula_fn, x, cotangent)
-    got, got_dx = _value_and_input_grad(layer_fn, x, cotangent)
+    want, want_dx = (formula if isinstance(formula, Evaluated)
+                     else _value_and_input_grad(*formula, x, cotangent))
+    got, got_dx = _value_and_input_grad(*layer, x, cotangent)
     for what, ref, out in (("output", want, got), ("input gradient", want_dx, got_dx)):
         err = rel_rms(ref, out)
         assert err <= tol, f"{what}: relative RMS error {err:.3g} against the formula"
+
+
+class Evaluated(tuple):
+    """A formula's output and input gradient, computed once for several layers."""
+
+
+@functools.lru_cache(maxsize=None)
+def _applied(module):
+    """``(variables, segment_ids, x) -> module.apply(...)``, one function object per module (its
+    compiled program shared by every case of that module)."""
+    return lambda v, seg, x: module.apply(v, x, segment_ids=seg)
 
 
 def _rms_norm(x, w, eps):
@@ -92,14 +113,14 @@ def _conv_silu(u, w, doc):
     y = 0.0
     for i in range(width):  # i steps back
         back = jnp.pad(u, ((0, 0), (i, 0), (0, 0)))[:, :t]
-        same_doc = np.pad(doc, ((0, 0), (i, 0)), constant_values=-1)[:, :t] == doc
+        same_doc = jnp.pad(doc, ((0, 0), (i, 0)), constant_values=-1)[:, :t] == doc
         y = y + jnp.where(same_doc[..., None], back, 0.0) * w[width - 1 - i]
     return jax.nn.silu(y)
 
 
-def _kda_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
+def _kda_formula(cfg: ModelConfig, p, doc, x):
+    """``doc [B, T]``: :func:`~helpers.document_numbers` of the segment ids."""
     k = cfg.kda
-    doc = document_numbers(seg)
     heads = functools.partial(_split_heads, head_dim=k.head_dim)
     # Steps 1-2: q = x W_q, k = x W_k, v = x W_v, each through its causal short conv and SiLU.
     q, kk, v = (heads(_conv_silu(x @ p[proj], p[conv], doc))
@@ -127,34 +148,46 @@ def _kda_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
     return _merge_heads(y) @ p["w_o"]
 
 
-def _check_kda(gate: str, output_gate: str, impl: str, seg: np.ndarray):
+@functools.lru_cache(maxsize=None)
+def _kda_formula_of(cfg: ModelConfig):
+    return functools.partial(_kda_formula, cfg)
+
+
+def _check_kda(gate: str, output_gate: str, impls, seg: np.ndarray):
+    """The layer with each core path in ``impls`` against one evaluation of the formula (the
+    parameters do not depend on the path)."""
     cfg = small_config()
-    cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, gate=gate, output_gate=output_gate,
-                                              impl=impl))
-    layer, x = KDALayer(cfg), _x(0, (B, T, cfg.d_model))
-    v = _variables(layer, x)
-    _assert_layer_is_formula(lambda x: layer.apply(v, x, segment_ids=seg),
-                             functools.partial(_kda_formula, v["params"], cfg, seg), x)
+    cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, gate=gate, output_gate=output_gate))
+    x = _x(0, (B, T, cfg.d_model))
+    v = _variables(KDALayer(cfg), x)
+    doc = jnp.asarray(document_numbers(seg))
+    formula = Evaluated(_value_and_input_grad(_kda_formula_of(cfg), (v["params"], doc), x,
+                                              _x(99, x.shape)))
+    for impl in impls:
+        layer = KDALayer(cfg.replace(kda=dataclasses.replace(cfg.kda, impl=impl)))
+        _assert_layer_is_formula((_applied(layer), (v, jnp.asarray(seg))), formula, x)
 
 
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
 @pytest.mark.parametrize("gate,output_gate", [("lower_bound", "full"), ("softplus", "low_rank")])
-def test_kda_layer_is_its_formula(gate, output_gate, impl):
+def test_kda_layer_is_its_formula(gate, output_gate):
     """K3's form (lower-bound gate, full-rank output gate) and Kimi Linear's (softplus, rank-limited
-    output gate), both core paths, packed rows (an id returning after a run of 12 tokens); the
-    chunked path crosses a chunk boundary (T = 24, C = 16)."""
-    _check_kda(gate, output_gate, impl, _segments(middle_run=12))
+    output gate), each with both core paths (reference and chunked) against one evaluation of the
+    formula, packed rows (an id returning after a run of 12 tokens); the chunked path crosses a
+    chunk boundary (T = 24, C = 16)."""
+    _check_kda(gate, output_gate, ("reference", "chunked"), _segments(middle_run=12))
 
 
 def test_kda_conv_stops_at_a_document_whose_id_returns_soon():
     """An id back after a run shorter than the convolution's W - 1 = 3 taps: the returning
-    document's first tokens must not read the earlier document of that id."""
-    _check_kda("lower_bound", "full", "reference", _segments(middle_run=2))
+    document's first tokens must not read the earlier document of that id. (The segment ids are
+    traced: the programs of the test above, run on other ids.)"""
+    _check_kda("lower_bound", "full", ("reference",), _segments(middle_run=2))
 
 
 # -- MLA (math §4) -------------------------------------------------------------------------------
 
-def _mla_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
+def _mla_formula(cfg: ModelConfig, p, doc, x):
+    """``doc [B, T]``: :func:`~helpers.document_numbers` of the segment ids."""
     m = cfg.mla
     nope, rope, lat, eps = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.latent_norm_eps
     # Query: c_q = RMSNorm(x W_qa), q = c_q W_qb; head h's query is [q_nope | q_rope].
@@ -169,8 +202,7 @@ def _mla_formula(p, cfg: ModelConfig, seg: np.ndarray, x):
                         axis=-1)
     # Scores times (nope + rope)^(-1/2), softmax over the token and earlier ones of its document.
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(nope + rope)
-    doc = document_numbers(seg)
-    allowed = np.tril(np.ones((T, T), bool)) & (doc[:, None, :, None] == doc[:, None, None, :])
+    allowed = jnp.tril(jnp.ones((T, T), bool)) & (doc[:, None, :, None] == doc[:, None, None, :])
     o = jnp.einsum("bhts,bshd->bthd",
                    jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1), v)
     # K3's output gate o_h * sigmoid(x W_gate)_h, then out = [o_1 | ... | o_H] W_o.
@@ -188,8 +220,13 @@ def test_mla_layer_is_its_formula(scale):
     seg = _segments(middle_run=2)
     layer, x = MLALayer(cfg), _x(1, (B, T, cfg.d_model), scale)
     v = _variables(layer, x)
-    _assert_layer_is_formula(lambda x: layer.apply(v, x, segment_ids=seg),
-                             functools.partial(_mla_formula, v["params"], cfg, seg), x)
+    _assert_layer_is_formula((_applied(layer), (v, jnp.asarray(seg))),
+                             (_mla_formula_of(cfg), (v["params"], document_numbers(seg))), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _mla_formula_of(cfg: ModelConfig):
+    return functools.partial(_mla_formula, cfg)
 
 
 # -- Stable LatentMoE and the plain MoE (math §6) -------------------------------------------------
@@ -206,12 +243,12 @@ def _glu_mlp(z, w_gate, w_up, w_down, mc: MoEConfig):
 
 
 def _moe_formula(p, bias, cfg: ModelConfig, x):
-    """math §6, one token at a time."""
+    """math §6, one token at a time (mapped over the tokens by ``vmap``)."""
     mc = cfg.moe
     glu = functools.partial(_glu_mlp, mc=mc)
     p = jax.tree.map(jnp.asarray, p)  # indexed below by traced expert ids
-    out = []
-    for xn in x.reshape(-1, cfg.d_model):
+
+    def token(xn):
         s = sigmoid(xn @ p["router"])                               # s = sigmoid(x W_router)
         ids = jnp.argsort(-(s + bias))[:mc.top_k]                   # ids = top_k(s + bias)
         w = s[ids] / (jnp.sum(s[ids]) + 1e-20) * mc.routed_scaling_factor  # unbiased weights
@@ -221,8 +258,9 @@ def _moe_formula(p, bias, cfg: ModelConfig, x):
         if mc.is_latent:                                            # u = RMSNorm_latent(u) W_up
             u = _rms_norm(u, p["latent_norm"]["scale"], cfg.rms_eps) @ p["latent_up"]
         shared = p["shared"]                                        # + Shared(x), full width
-        out.append(u + glu(xn, shared["w_gate"], shared["w_up"], shared["w_down"]))
-    return jnp.stack(out).reshape(x.shape)
+        return u + glu(xn, shared["w_gate"], shared["w_up"], shared["w_down"])
+
+    return jax.vmap(token)(x.reshape(-1, cfg.d_model)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("latent_dim,activation,rsf", [(16, "situ_glu", 1.0),
@@ -245,5 +283,15 @@ def test_moe_block_is_its_formula(latent_dim, activation, rsf):
     s = np.asarray(sigmoid(x.reshape(-1, cfg.d_model) @ v["params"]["router"]))
     assert np.mean(np.any(chosen(s + bias) != chosen(s), axis=-1)) >= 0.25
 
-    _assert_layer_is_formula(lambda x: block.apply(v, x, deterministic=True),
-                             functools.partial(_moe_formula, v["params"], bias, cfg), x)
+    _assert_layer_is_formula((_moe_applied(block), (v,)),
+                             (_moe_formula_of(cfg), (v["params"], bias)), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_applied(block):
+    return lambda v, x: block.apply(v, x, deterministic=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_formula_of(cfg: ModelConfig):
+    return lambda p, bias, x: _moe_formula(p, bias, cfg, x)

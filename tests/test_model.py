@@ -1,8 +1,10 @@
 """Model-level contract: shapes, causality, packing, scan vs unrolled, remat, presets by
 eval_shape.
 
-Each config is initialised by one compiled initialiser (any seed) and run through one compiled
-forward per input signature, shared by the tests, so the module compiles few programs.
+Each config is run through one compiled forward per input signature, shared by the tests, so the
+module compiles few programs. The tests that compare two computations on the same variables draw
+them on the host (:func:`helpers.host_variables`): a compiled initialiser costs more than the
+forward it feeds.
 """
 
 import collections
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GENERATION_CASES, init, small_config
+from helpers import GENERATION_CASES, host_variables, init, small_config
 from jax.sharding import PartitionSpec as P
 
 from k3jax.model import K3Model, abstract_variables, abstract_variables_and_axes
@@ -43,7 +45,7 @@ def _forward(cfg, variables, tokens, segment_ids=None):
 
 def test_logits_shape_dtype_and_finite():
     cfg = small_config()
-    v = init(cfg, 0)
+    v = host_variables(cfg, 0)
     logits = _forward(cfg, v, _tokens())
     assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(logits)))
@@ -51,7 +53,7 @@ def test_logits_shape_dtype_and_finite():
 
 def test_changing_a_future_token_never_changes_an_earlier_output():
     cfg = small_config()
-    v = init(cfg, 1)
+    v = host_variables(cfg, 1)
     tokens = _tokens(1)
     base = _forward(cfg, v, tokens)
     for t in (3, 11, T - 1):
@@ -65,7 +67,7 @@ def test_packed_documents_equal_documents_run_alone():
     tokens: the causality test above shows later tokens never reach its outputs, so one compiled
     forward runs every document alone, from position 0 and with no segment ids."""
     cfg = small_config()
-    v = init(cfg, 2)
+    v = host_variables(cfg, 2)
     tokens = _tokens(2)
     seg = jnp.asarray(np.repeat(np.array([[0] * 7 + [1] * 9 + [2] * 4]), B, 0), jnp.int32)
     packed = _forward(cfg, v, tokens, seg)
@@ -122,7 +124,7 @@ def test_scanned_stack_equals_unrolled_stack():
     cfg = _scanned_config()
     plan = plan_stack(cfg)
     assert plan.repeats >= 2, plan
-    v = init(cfg, 3)
+    v = host_variables(cfg, 3)
     unrolled_cfg = cfg.replace(scan_layers=False)
     v_unrolled = {"params": unroll_params(cfg, v["params"])}
     want = jax.tree.map(jnp.shape, abstract_variables(unrolled_cfg)["params"])
@@ -134,12 +136,12 @@ def test_scanned_stack_equals_unrolled_stack():
 def test_remat_gives_the_same_values_and_gradients():
     """Both policies, on three scanned KDA layers (traced layer index) and the unrolled last MLA
     layer (static index), against one reference gradient. (AttnRes layers under remat:
-    test_attnres.py.) The other tests' config: its initialiser is compiled already, and a scan
-    compiles its layer once however many it repeats."""
+    test_attnres.py.) The other tests' config: a scan compiles its layer once however many it
+    repeats."""
     cfg = small_config()  # kda,kda,kda,mla
     plan = plan_stack(cfg)
     assert (plan.group, plan.repeats) == ((("kda", "dense"),), 3), plan
-    v = init(cfg, 4)
+    v = host_variables(cfg, 4)
     tokens = _tokens(4)
 
     def loss(params, c):
@@ -174,7 +176,7 @@ def test_applying_traces_each_kind_of_layer_once():
 
 def test_bad_tokens_are_rejected_before_tracing():
     cfg = small_config()
-    v = init(cfg, 0)
+    v = host_variables(cfg, 0)
     with pytest.raises(ValueError, match="tokens must be an integer array"):
         _apply(cfg, v, jnp.zeros((2, 4), jnp.float32))
     with pytest.raises(ValueError, match="segment_ids"):

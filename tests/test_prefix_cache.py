@@ -2,13 +2,19 @@
 
 Prompt lengths are chosen so that every recomputed piece is 16 or 8 tokens long (the grid and the
 KDA chunk are 16), so the whole module compiles two prefill pieces and one decode step.
+
+The model is the layers that keep a cache, KDA (recurrent and conv states) and MLA (latents), in a
+scanned group of two repeated twice (caches stacked per group); the MoE and the AttnRes residual,
+which keep nothing across time, are left out (test_generate.py runs them with a cache).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
-from helpers import generation_case
+from helpers import host_variables, small_config
 
 from k3jax.generate import decode, init_cache, prefill
 from k3jax.generate.prefix_cache import PrefixCache, store_bytes_per_token
@@ -22,6 +28,15 @@ A = _rng.integers(1, 64, 40).astype(np.int32)
 B = np.concatenate([A[:24], _rng.integers(1, 64, 16)]).astype(np.int32)  # diverges after 24
 C = A[:24].copy()  # a short shared prompt: ends off the grid
 D = np.concatenate([C, _rng.integers(1, 64, 16)]).astype(np.int32)  # extends C; shares A's and B's
+
+
+@functools.cache
+def _model():
+    """``(cfg, variables)``: KDA, MLA, KDA, MLA as one scanned group of two layers, fp32; the
+    variables drawn on the host (:func:`helpers.host_variables`): the tests hold the cached steps
+    to a fresh prefill on the same variables, whatever their values."""
+    cfg = small_config(num_layers=4, mla_every=2)
+    return cfg, host_variables(cfg, 1)
 
 
 def _greedy(cfg, variables, logits, cache, n):
@@ -38,7 +53,7 @@ def _fresh(cfg, variables, tokens):
 
 
 def test_resumed_prefill_equals_fresh_prefill_and_greedy_tokens_agree():
-    cfg, variables = generation_case("hybrid")
+    cfg, variables = _model()
     store = PrefixCache(cfg, MAX_LEN, GRID, budget_bytes=1 << 40)
     expect_resume = {"A": 0, "B": 16, "C": 16, "D": 24}  # D: C's prompt-end snapshot
     for name, tokens in (("A", A), ("B", B), ("C", C), ("D", D)):
@@ -60,7 +75,7 @@ def test_resumed_prefill_equals_fresh_prefill_and_greedy_tokens_agree():
 
 
 def test_eviction_keeps_the_budget_and_drops_least_recently_used_leaves_first():
-    cfg, variables = generation_case("hybrid")
+    cfg, variables = _model()
     store = PrefixCache(cfg, MAX_LEN, GRID, budget_bytes=1 << 40)
     for tokens in (A, B, C):
         store.prefill(variables, tokens, chunk=CHUNK)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import init, small_config
+from helpers import host_variables, small_config
 from suite_env import subprocess_env
 
 from k3jax.config import ConfigError, FFNConfig, KDAConfig, MLAConfig, ModelConfig
@@ -28,7 +28,7 @@ from k3jax.train.checkpoint import MANIFEST, check_config
 from k3jax.train.optim import build_optimizer, decay_mask, muon_labels, schedule, schedule_args
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVERY = 24, 4
+STEPS, EVERY = 12, 4
 
 TINY_MODEL = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, mla_every=2, first_k_dense=2,
@@ -56,7 +56,7 @@ def get_config():
 
 
 def _text_source(root: Path) -> Path:
-    """Repetitive English in many small documents: a tiny model learns it within 24 steps."""
+    """Repetitive English in many small documents: a tiny model learns it within 12 steps."""
     src = root / "text"
     src.mkdir()
     rng = np.random.default_rng(0)
@@ -69,7 +69,7 @@ def _text_source(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A straight run (A); a run killed by SIGKILL after step 14 (B), whose newest checkpoint is
+    """A straight run (A); a run killed by SIGKILL after step 10 (B), whose newest checkpoint is
     then damaged, and which is resumed by re-running the same command."""
     root = tmp_path_factory.mktemp("runs")
     preset = root / "preset.py"
@@ -85,11 +85,11 @@ def runs(tmp_path_factory):
 
     a = train("A")
     assert a.returncode == 0, a.stderr[-3000:]
-    killed = train("B", {"K3JAX_FAULT_KILL_AFTER_STEP": "14"})
+    killed = train("B", {"K3JAX_FAULT_KILL_AFTER_STEP": "10"})
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL, not a clean exit
     # Only finalised checkpoints count (an async save cut by the kill is a tmp dir, ignored).
     done = sorted(int(p.name) for p in (root / "B" / "checkpoints").iterdir() if p.name.isdigit())
-    assert done and max(done) <= 14
+    assert done and max(done) <= 10
     damaged = root / "B" / "checkpoints" / str(max(done))
     for f in damaged.rglob("*"):
         if f.is_file() and f.stat().st_size > 0:
@@ -115,7 +115,7 @@ def test_tiny_run_learns_and_logs(runs):
     summary = json.loads((a / "summary.json").read_text())
     first, last = summary["heldout_first"], summary["heldout_last"]
     assert first["step"] == 0 and last["step"] == STEPS
-    # Random init predicts ~uniform over 256 bytes (8 bits/byte); 24 steps must cut that clearly.
+    # Random init predicts ~uniform over 256 bytes (8 bits/byte); 12 steps must cut that clearly.
     assert last["loss"] < first["loss"] - 1.0, (first, last)
     assert last["bpb"] < first["bpb"] - 1.0
     records = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
@@ -219,7 +219,7 @@ def test_packed_batch_equals_documents_one_by_one():
     lengths, width = (11, 16, 5), 32
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 256, size=n + 1).astype(np.int32) for n in lengths]
-    variables = init(TINY_MODEL, 3)
+    variables = host_variables(TINY_MODEL, 3)
     filler = rng.integers(0, 256, size=width + 1).astype(np.int32)
     alone_rows = [np.concatenate([d, filler[len(d):]]) for d in docs]
     packed_row = np.concatenate([d[:-1] for d in docs] + [docs[-1][-1:]])
@@ -397,7 +397,7 @@ def test_nonfinite_step_is_skipped_and_counted():
 
     model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
     cfg = OptimConfig(warmup_steps=0, schedule="cosine")  # another rate at each count
-    variables = init(model_cfg, 0)
+    variables = host_variables(model_cfg, 0)
     opt = build_optimizer(cfg, 10, variables["params"])
     state = init_state(variables["params"], {}, opt, 0)
     step = functools.partial(jax.jit(make_train_step(K3Model(model_cfg), cfg, 1)),
@@ -426,7 +426,7 @@ def test_runs_differing_in_schedule_numbers_share_one_step_program():
     from k3jax.train.step import init_state, make_train_step
 
     model_cfg = small_config(num_layers=1, mla_every=1, first_k_dense=1)
-    variables = init(model_cfg, 0)
+    variables = host_variables(model_cfg, 0)
     batch = {"tokens": np.ones((2, 16), np.int32), "targets": np.ones((2, 16), np.int32),
              "segment_ids": np.ones((2, 16), np.int32), "weights": np.ones((2, 16), np.float32)}
 
