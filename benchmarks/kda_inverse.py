@@ -88,5 +88,9 @@ def _kernels(shape) -> ablations.Kernels:
             "wy_bwd": (jax.jit(wy_bwd), (t_saved, akk, beta, xk, v, dw, du))}
 
 
+def main(argv=None) -> int:
+    return ablations.main(__doc__.splitlines()[0], kda_solve, ABLATIONS, _kernels, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(ablations.main(__doc__.splitlines()[0], kda_solve, ABLATIONS, _kernels))
+    sys.exit(main())

@@ -92,5 +92,9 @@ def _inputs(b, t, h, d):
     return (q, k, g_cum), cts
 
 
+def main(argv=None) -> int:
+    return ablations.main(__doc__.splitlines()[0], kda_scores, ABLATIONS, _kernels, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(ablations.main(__doc__.splitlines()[0], kda_scores, ABLATIONS, _kernels))
+    sys.exit(main())

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import jax
 import pytest
-from suite_env import subprocess_env
+from suite_env import subprocess_env, xla_flags
 
 from k3jax.ops.tolerance import BF16_OUT_TOL
 
@@ -24,10 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # of 16, so a 32-token sequence still spans two chunks: every part, half the compile time.
 TINY_MODEL = ["--set", "model.num_layers=2", "--set", "model.mla_every=2",
               "--set", "model.kda.chunk_size=16"]
-# k3_tiny cut to its MLA layer with an MoE FFN (the router's balancing state, the dispatch), for
-# the scripts whose checks do not depend on the layer kinds: KDA's chunked form takes most of the
-# CPU compile.
-MOE_LAYER = ["--set", "model.num_layers=1", "--set", "model.first_k_dense=0"]
+# k3_tiny cut to its MLA layer with an MoE FFN (the router's balancing state, the dispatch) and a
+# plain residual, for the scripts whose checks do not depend on the layer kinds: a KDA layer
+# doubles the CPU compile, and AttnRes's depth mixing adds to it.
+MOE_LAYER = ["--set", "model.num_layers=1", "--set", "model.first_k_dense=0",
+             "--set", "model.residual.kind=plain"]
+# k3_tiny cut to its MLA layer with a dense FFN, for compile_time.py, whose checks depend on no
+# part of the model: its step compiles in about half the time of MOE_LAYER's on the CPU.
+DENSE_LAYER = ["--set", "model.num_layers=1"]
 
 
 def _call(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -41,11 +46,26 @@ def _run(args: list[str], timeout: int = 600) -> list[dict]:
     out = _call(args, timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     # stdout is JSON lines alone (tables and progress go to stderr)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-    assert rows, out.stdout[-2000:]
+    assert all(line.startswith("{") for line in out.stdout.splitlines() if line.strip())
+    return _rows(out.stdout)
+
+
+def _rows(out: str) -> list[dict]:
+    """The JSON lines of a benchmark's stdout, each checked for an error."""
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert rows, out[-2000:]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
     return rows
+
+
+def _main(capsys, name: str, argv: list[str]) -> list[dict]:
+    """``benchmarks/NAME.py``'s ``main(argv)`` run in this process, its JSON lines (``_rows``).
+    In this process, the programs the benchmark shares with others (its inputs' random draws,
+    say) compile once, and jax is imported once."""
+    capsys.readouterr()
+    assert not _benchmark(name).main(argv)  # None or 0
+    return _rows(capsys.readouterr().out)
 
 
 def _benchmark(name: str) -> ModuleType:
@@ -56,6 +76,22 @@ def _benchmark(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.fixture()
+def cold_compiles(restore_cache_config):
+    """No persistent compilation cache, as compile_time.py and attnres.py set it up in a process
+    of their own (there, so that every compile they time is XLA's): this process's is restored
+    after the test."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture()
+def point_env(monkeypatch):
+    """The environment scale_out.py's points inherit from this process: the suite's compile flags
+    without this process's device count (the script gives each point its own)."""
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(None))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +151,14 @@ def test_host_timeline_names_a_missing_script():
     assert out.returncode == 2 and "no such file" in out.stderr
 
 
-def test_moe_benchmark_dispatch_and_step_run_on_two_cpu_devices():
+def test_moe_benchmark_dispatch_and_step_run_on_two_cpu_devices(capsys):
     """The dispatch alone and the step benchmark on 1 and 2 devices with one dispatch (every
     dispatch runs the same benchmark code; each dispatch is checked against one device in
     tests/test_ep_dispatch.py) and its capacity-factor suffix."""
     dispatches = ("ring@1.125",)
-    rows = _run(["benchmarks/moe.py", "--tiny", "--skip", "grouped_matmul", "--gmm", "ragged_dot",
-                 "--dispatches", ",".join(dispatches), "--iters", "1", "--repeats", "1"])
+    rows = _main(capsys, "moe", ["--tiny", "--skip", "grouped_matmul", "--gmm", "ragged_dot",
+                                 "--dispatches", ",".join(dispatches), "--iters", "1",
+                                 "--repeats", "1"])
     for bench in ("dispatch", "moe_step"):
         lines = [r for r in rows if r.get("bench") == bench]
         for dispatch in dispatches:
@@ -135,15 +172,15 @@ def test_moe_benchmark_dispatch_and_step_run_on_two_cpu_devices():
         "bench", "best_1gpu_tokens_per_s", "best_2gpu_tokens_per_s", "speedup"}
 
 
-def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
+def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path, capsys, point_env):
     """Weak scaling on simulated CPU devices: one device, and two holding one expert half each
     (the expert layout takes the ring dispatch); each point's batch is per device, its
     collectives and the MoE dispatch's kernels are found, and efficiencies are against the
     best point on one and on two devices."""
-    rows = _run(["benchmarks/scale_out.py", "--platform", "cpu", "--cpus", "3",
-                 "--config", "k3_tiny", *MOE_LAYER, "--per-device-batch", "2", "--seq", "32",
-                 "--layouts", "data=1", "expert=2", "--warmup", "0", "--steps", "1",
-                 "--out", str(tmp_path)])
+    rows = _main(capsys, "scale_out", [
+        "--platform", "cpu", "--cpus", "3", "--config", "k3_tiny", *MOE_LAYER,
+        "--per-device-batch", "2", "--seq", "32", "--layouts", "data=1", "expert=2",
+        "--warmup", "0", "--steps", "1", "--out", str(tmp_path)])
     points = {r["layout"]: r for r in rows if r.get("bench") == "scale_out"}
     assert set(points) == {"data=1", "expert=2"}
     one, two = points["data=1"], points["expert=2"]
@@ -157,18 +194,17 @@ def test_scale_out_runs_each_layout_on_its_own_devices(tmp_path):
     assert '"model.moe.dispatch=ring"' in ring
 
 
-def test_scale_out_stops_a_point_past_its_time_limit():
-    out = _call(["benchmarks/scale_out.py", "--platform", "cpu", "--config", "k3_tiny",
-                 "--per-device-batch", "2", "--layouts", "data=1", "--point-timeout", "1"],
-                timeout=120)
-    assert out.returncode == 0, out.stderr[-1000:]
-    (line,) = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+def test_scale_out_stops_a_point_past_its_time_limit(capsys, point_env):
+    _benchmark("scale_out").main(["--platform", "cpu", "--config", "k3_tiny",
+                                  "--per-device-batch", "2", "--layouts", "data=1",
+                                  "--point-timeout", "1"])
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert line["layout"] == "data=1" and "exited with -9 after" in line["error"], line
 
 
 def test_scale_out_names_a_bad_layout(capsys):
-    """Refused before any point starts, by the script's ``main`` (here in this process: the
-    script as a process is run by the tests above) with argparse's exit status 2."""
+    """Refused before any point starts, by the script's ``main`` with argparse's exit status
+    2."""
     scale_out = _benchmark("scale_out")
     for layout, expected in [("pipeline=2", "is not a mesh"), ("data=9", "more devices")]:
         with pytest.raises(SystemExit) as refused:
@@ -178,9 +214,11 @@ def test_scale_out_names_a_bad_layout(capsys):
         assert refused.value.code == 2 and expected in err, err[-500:]
 
 
-def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
-    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *TINY_MODEL, "--batch", "1",
-                 "--seq", "32", "--parts", "forward", "--phases", str(tmp_path), "--top", "20"])
+def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path, capsys,
+                                                                   cold_compiles):
+    rows = _main(capsys, "compile_time", ["--config", "k3_tiny", *DENSE_LAYER, "--batch", "1",
+                                          "--seq", "32", "--parts", "forward", "--phases",
+                                          str(tmp_path), "--top", "20"])
     (row,) = [r for r in rows if "compile_s" in r]
     assert row["part"] == "forward" and row["compile_s"] > 0 and row["temp_GiB"] is not None
     events = {r["event"]: r for r in rows if "event" in r}
@@ -192,24 +230,29 @@ def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path):
 
 
 @pytest.mark.parametrize("how", [[], ["--one-program"]], ids=["as_the_loop", "one_program"])
-def test_compile_time_of_the_train_step(how):
-    """``--parts step``: the loop's two programs compiled at once, or the step as one program."""
-    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", *MOE_LAYER, "--batch", "2",
-                 "--seq", "32", "--parts", "step", "--optimizers", "adamw", *how])
+def test_compile_time_of_the_train_step(how, capsys, cold_compiles):
+    """``--parts step``: the loop's two programs compiled at once, or the step as one program.
+    The loop's mesh takes every device, which in this process are eight: that one runs in a
+    process of one device."""
+    args = ["--config", "k3_tiny", *DENSE_LAYER, "--batch", "2", "--seq", "32", "--parts", "step",
+            "--optimizers", "adamw", *how]
+    rows = _main(capsys, "compile_time", args) if how else _run(["benchmarks/compile_time.py",
+                                                                 *args])
     (row,) = [r for r in rows if "compile_s" in r]
     assert row["part"] == "step" and "error" not in row
     assert min(row["trace_s"], row["lower_s"], row["compile_s"]) > 0
     assert row["total_s"] >= row["compile_s"] and row["temp_GiB"] is not None
 
 
-def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
+def test_compile_time_finds_each_distinct_kernel_of_the_gradient(capsys, cold_compiles):
     """``--parts kernels`` on the Pallas KDA path: its nine kernels (forward and backward) found
     in the gradient, each once, and the short convolutions' (q and k normalising, v not; the
     input gradient shared), each lowered for sm_90 (compiled only where there is a GPU)."""
-    rows = _run(["benchmarks/compile_time.py", "--config", "k3_tiny", "--set", "model.num_layers=1",
-                 "--set", "model.mla_layers=()",  # k3_tiny's KDA layer alone
-                 "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
-                 "--batch", "1", "--seq", "64", "--parts", "kernels"])
+    rows = _main(capsys, "compile_time", [
+        "--config", "k3_tiny", "--set", "model.num_layers=1",
+        "--set", "model.mla_layers=()",  # k3_tiny's KDA layer alone
+        "--set", "model.kda.impl=pallas", "--set", "model.kda.chunk_size=64",
+        "--batch", "1", "--seq", "64", "--parts", "kernels"])
     found = [r for r in rows if "kernel" in r]  # a kernel once per distinct signature
     calls = collections.Counter()
     for r in found:
@@ -229,12 +272,12 @@ def test_compile_time_finds_each_distinct_kernel_of_the_gradient():
     assert total["lower_s"] == pytest.approx(sum(r["lower_s"] for r in found), abs=0.01)
 
 
-def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
+def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path, capsys):
     """The KDA benchmark's JAX path on the CPU (our chunked op at a toy shape), with the profiler
     traces of the forward alone and with the backward where ``profile_top.py DIR/NAME/PART``
     looks for them (a CPU trace has no GPU kernels to sum)."""
-    rows = _run(["benchmarks/kda.py", "--impls", "ours_chunked_jax", "--shapes", "1,128,2,64",
-                 "--iters", "1", "--repeats", "1", "--profile", str(tmp_path)])
+    rows = _main(capsys, "kda", ["--impls", "ours_chunked_jax", "--shapes", "1,128,2,64",
+                                 "--iters", "1", "--repeats", "1", "--profile", str(tmp_path)])
     (timed,) = [r for r in rows if "fwd_ms" in r]
     assert timed["impl"] == "ours_chunked_jax" and timed["fwd_bwd_ms"] > 0
     (profiled,) = [r for r in rows if "profile" in r]
@@ -243,24 +286,24 @@ def test_kda_benchmark_times_and_profiles_the_chunked_op(tmp_path):
         assert list((tmp_path / "ours_chunked_jax" / part).glob("**/*.xplane.pb")), part
 
 
-def test_kda_scores_variants_lower_for_sm90():
+def test_kda_scores_variants_lower_for_sm90(capsys):
     """Variants of the scores-kernel benchmark lower for an sm_90 target, and an ablation (a helper
     of the kernel module swapped while tracing) changes the kernel it lowers. (The kernels
     lower in tests/test_pallas_kda_scores.py; two variants here keep CI short.)"""
     variants = {"kernels", "no_exp"}
-    rows = _run(["benchmarks/kda_scores.py", "--lower-only", "--shape", "1,128,2,64",
-                 "--variants", ",".join(sorted(variants))])
+    rows = _main(capsys, "kda_scores", ["--lower-only", "--shape", "1,128,2,64",
+                                        "--variants", ",".join(sorted(variants))])
     sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}
     assert len(sizes) == 2 * len(variants)
     for kernel in ("fwd", "bwd"):
         assert len({size for (_, k), size in sizes.items() if k == kernel}) == len(variants)
 
 
-def test_kda_inverse_variants_lower_for_sm90():
+def test_kda_inverse_variants_lower_for_sm90(capsys):
     """The inverse-kernel benchmark's kernels lower for an sm_90 target, and taking out the
     elimination changes the two kernels that invert (the backward does not invert)."""
-    rows = _run(["benchmarks/kda_inverse.py", "--lower-only", "--shape", "1,128,2,64",
-                 "--variants", "kernels,no_pivots"])
+    rows = _main(capsys, "kda_inverse", ["--lower-only", "--shape", "1,128,2,64",
+                                         "--variants", "kernels,no_pivots"])
     sizes = {(r["variant"], r["kernel"]): r["module_chars"] for r in rows}
     assert {k for _, k in sizes} == {"scaled_inverse", "wy_fwd", "wy_bwd"} and len(sizes) == 6
     for kernel in ("scaled_inverse", "wy_fwd"):
@@ -286,10 +329,13 @@ def test_expert_tiles_lower_each_tiling_and_mark_the_shipped_one(capsys):
     assert refused.value.code == 2 and "--dims" in capsys.readouterr().err
 
 
-def test_kernel_benchmarks_name_a_bad_shape():
-    """A shape the kernels cannot take is refused by name before anything is traced."""
-    out = _call(["benchmarks/kda_inverse.py", "--lower-only", "--shape", "1,100,2,64"], 120)
-    assert out.returncode == 2 and "--shape" in out.stderr and "1,100,2,64" in out.stderr
+def test_kernel_benchmarks_name_a_bad_shape(capsys):
+    """A shape the kernels cannot take is refused by name before anything is traced (by the
+    script's ``main``, in this process, with argparse's exit status)."""
+    with pytest.raises(SystemExit) as refused:
+        _benchmark("kda_inverse").main(["--lower-only", "--shape", "1,100,2,64"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--shape" in err and "1,100,2,64" in err
 
 
 def test_profiled_kernels_are_looked_up_in_their_own_module(tmp_path):
@@ -405,9 +451,10 @@ def test_profile_diff_sorts_the_changes_and_totals_each_program(tmp_path):
     assert totals == {"jit_gradients": (9.0, 6.0), "jit_update": (3.0, 0.0)}
 
 
-def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
-    rows = _run(["benchmarks/attention.py", "--batch", "2", "--seq", "64", "--heads", "2",
-                 "--head-dim", "16", "--v-head-dim", "8", "--iters", "1", "--repeats", "1"], 300)
+def test_attention_benchmark_times_each_path_and_compares_the_packed_ones(capsys):
+    rows = _main(capsys, "attention", ["--batch", "2", "--seq", "64", "--heads", "2",
+                                       "--head-dim", "16", "--v-head-dim", "8", "--iters", "1",
+                                       "--repeats", "1"])
     assert [r["variant"] for r in rows] == ["masked", "packed", "checked", "single",
                                             "one_document"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
@@ -415,13 +462,13 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones():
         assert packed["max_abs_diff_vs_masked"] == 0.0
 
 
-def test_attnres_benchmark_compares_the_residual_rules():
+def test_attnres_benchmark_compares_the_residual_rules(capsys, cold_compiles):
     """Plain residual and AttnRes on one remat policy: each variant's compile stages, memory and
     step time, then AttnRes's extra parameters over plain."""
     # Two MLA layers: one AttnRes block of four sublayers without KDA's compile.
-    rows = _run(["benchmarks/attnres.py", "--config", "k3_tiny", "--set", "model.num_layers=2",
-                 "--set", "model.mla_every=1", "--no-moe", "--seq", "32", "--remat", "none",
-                 "--repeats", "1"], 300)
+    rows = _main(capsys, "attnres", ["--config", "k3_tiny", "--set", "model.num_layers=2",
+                                     "--set", "model.mla_every=1", "--no-moe", "--seq", "32",
+                                     "--remat", "none", "--repeats", "1"])
     variants = {r["residual"]: r for r in rows if r["bench"] == "attnres"}
     assert set(variants) == {"plain", "attnres"}
     for line in variants.values():
@@ -433,13 +480,13 @@ def test_attnres_benchmark_compares_the_residual_rules():
     assert cmp["extra_params"] == attnres["params"] - plain["params"] > 0
 
 
-def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache():
+def test_serve_benchmark_prefills_decodes_and_hits_the_prefix_cache(capsys):
     """Both models' prefill, decode and time-to-first-token lines, run end to end on the two
     models' layer patterns. The prefill, the shared prompt and the requests go in whole chunks
     into caches of one length: one prefill program a model."""
-    rows = _run(["benchmarks/serve.py", "--config", "k3_tiny", "--seqs", "48", "--chunk", "16",
-                 "--batches", "2", "--context", "64", "--steps", "2", "--shared", "32",
-                 "--suffix", "16", "--repeats", "1"], 300)
+    rows = _main(capsys, "serve", ["--config", "k3_tiny", "--seqs", "48", "--chunk", "16",
+                                   "--batches", "2", "--context", "64", "--steps", "2",
+                                   "--shared", "32", "--suffix", "16", "--repeats", "1"])
     lines = {(r["bench"], r.get("model")): r for r in rows}
     assert {r["layers"] for r in rows if r["bench"] == "init"} == {"KKKM", "MMMM"}
     for model in ("hybrid", "pure_mla"):
