@@ -65,16 +65,14 @@ from _timing import compile_stages, error_text
 from _trace import host_events, trace_files
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-jax.config.update("jax_enable_compilation_cache", False)
-
-from k3jax.config.experiment import apply_overrides, load_config  # noqa: E402
-from k3jax.devices import hopper_target  # noqa: E402
-from k3jax.model import K3Model, abstract_variables, logical_axes  # noqa: E402
-from k3jax.ops.cross_entropy import token_nats  # noqa: E402
-from k3jax.parallel import make_mesh, sharded_state_shapes  # noqa: E402
-from k3jax.train.loop import compile_step_async  # noqa: E402
-from k3jax.train.optim import build_optimizer, schedule_args  # noqa: E402
-from k3jax.train.step import (  # noqa: E402
+from k3jax.config.experiment import apply_overrides, load_config
+from k3jax.devices import hopper_target
+from k3jax.model import K3Model, abstract_variables, logical_axes
+from k3jax.ops.cross_entropy import token_nats
+from k3jax.parallel import make_mesh, sharded_state_shapes
+from k3jax.train.loop import compile_step_async
+from k3jax.train.optim import build_optimizer, schedule_args
+from k3jax.train.step import (
     BATCH_KEYS,
     MUTABLE,
     _variables,
@@ -224,6 +222,7 @@ def measure(part: str, cfg, batch: dict, optimizer_name: str | None,
 
 
 def main(argv=None) -> None:
+    jax.config.update("jax_enable_compilation_cache", False)  # every number a cold compile
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_small", help="a preset's name or a config file")
     ap.add_argument("--batch", type=int, default=2)

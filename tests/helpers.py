@@ -187,6 +187,16 @@ def kda_bf16_case(seed: int, b: int, t: int, h: int, dk: int, dv: int, gate: str
     return (q, k, v, bf16_rounded(g), bf16_rounded(beta), h0), do, dfin
 
 
+def assert_rows_within(ref, out, tol: float, name: str = "") -> None:
+    """``rel_rms`` of every batch row (axis 0) of ``out`` against ``ref`` within ``tol``: when a
+    test runs separate cases as the rows of one call, one row's larger values must not hide
+    another's error."""
+    from k3jax.ops.tolerance import rel_rms
+
+    for row, (r, o) in enumerate(zip(ref, out, strict=True)):
+        assert rel_rms(r, o) <= tol, (name, row, rel_rms(r, o))
+
+
 def gate_bias_grad_error(dz, dbias) -> float:
     """Relative RMS of a KDA gate bias's gradient ``dbias [H, K]`` against the sum over the tokens
     of the same call's logit gradient ``dz [B, T, H, K]``, which it is however it is formed.

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import jax
 import pytest
 from suite_env import subprocess_env, xla_flags
 
@@ -62,7 +61,9 @@ def _rows(out: str) -> list[dict]:
 def _main(capsys, name: str, argv: list[str]) -> list[dict]:
     """``benchmarks/NAME.py``'s ``main(argv)`` run in this process, its JSON lines (``_rows``).
     In this process, the programs the benchmark shares with others (its inputs' random draws,
-    say) compile once, and jax is imported once."""
+    say) compile once, and jax is imported once. compile_time's and attnres's ``main`` switch
+    the persistent cache off (every compile they time is XLA's): their tests take
+    ``restore_cache_config``."""
     capsys.readouterr()
     assert not _benchmark(name).main(argv)  # None or 0
     return _rows(capsys.readouterr().out)
@@ -76,14 +77,6 @@ def _benchmark(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-
-
-@pytest.fixture()
-def cold_compiles(restore_cache_config):
-    """No persistent compilation cache, as compile_time.py and attnres.py set it up in a process
-    of their own (there, so that every compile they time is XLA's): this process's is restored
-    after the test."""
-    jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture()
@@ -215,7 +208,7 @@ def test_scale_out_names_a_bad_layout(capsys):
 
 
 def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path, capsys,
-                                                                   cold_compiles):
+                                                                   restore_cache_config):
     rows = _main(capsys, "compile_time", ["--config", "k3_tiny", *DENSE_LAYER, "--batch", "1",
                                           "--seq", "32", "--parts", "forward", "--phases",
                                           str(tmp_path), "--top", "20"])
@@ -230,7 +223,7 @@ def test_compile_time_reports_each_stage_and_the_compilers_events(tmp_path, caps
 
 
 @pytest.mark.parametrize("how", [[], ["--one-program"]], ids=["as_the_loop", "one_program"])
-def test_compile_time_of_the_train_step(how, capsys, cold_compiles):
+def test_compile_time_of_the_train_step(how, capsys, restore_cache_config):
     """``--parts step``: the loop's two programs compiled at once, or the step as one program.
     The loop's mesh takes every device, which in this process are eight: that one runs in a
     process of one device."""
@@ -244,7 +237,7 @@ def test_compile_time_of_the_train_step(how, capsys, cold_compiles):
     assert row["total_s"] >= row["compile_s"] and row["temp_GiB"] is not None
 
 
-def test_compile_time_finds_each_distinct_kernel_of_the_gradient(capsys, cold_compiles):
+def test_compile_time_finds_each_distinct_kernel_of_the_gradient(capsys, restore_cache_config):
     """``--parts kernels`` on the Pallas KDA path: its nine kernels (forward and backward) found
     in the gradient, each once, and the short convolutions' (q and k normalising, v not; the
     input gradient shared), each lowered for sm_90 (compiled only where there is a GPU)."""
@@ -462,7 +455,7 @@ def test_attention_benchmark_times_each_path_and_compares_the_packed_ones(capsys
         assert packed["max_abs_diff_vs_masked"] == 0.0
 
 
-def test_attnres_benchmark_compares_the_residual_rules(capsys, cold_compiles):
+def test_attnres_benchmark_compares_the_residual_rules(capsys, restore_cache_config):
     """Plain residual and AttnRes on one remat policy: each variant's compile stages, memory and
     step time, then AttnRes's extra parameters over plain."""
     # Two MLA layers: one AttnRes block of four sublayers without KDA's compile.

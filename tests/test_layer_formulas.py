@@ -59,29 +59,22 @@ def _x(seed: int, shape, scale: float = 1.0) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _value_and_input_grad(f, args, x, cotangent):
-    """``f(*args, x)`` and the gradient of ``sum(f(*args, x) * cotangent)`` with respect to ``x``.
-    ``f`` is static (one compile per function object), its other arguments traced: cases that
-    differ only in the parameters' values or the segment ids run one compiled program."""
+def _value_and_input_grad(f, args, x):
+    """``f(*args, x)`` and the gradient of ``sum(f(*args, x) * c)`` with respect to ``x``, for a
+    random cotangent ``c`` (which weighs every output). ``f`` is static (one compile per function
+    object), its other arguments traced: cases that differ only in the parameters' values or the
+    segment ids run one compiled program."""
     out, pull = jax.vjp(lambda x: f(*args, x), x)
-    return out, pull(cotangent)[0]
+    return out, pull(_x(99, x.shape))[0]
 
 
-def _assert_layer_is_formula(layer, formula, x, tol=FP32_TOL):
-    """Values and input gradients (under a random cotangent, which weighs every output) of the
-    layer and its reference agree within ``tol``. ``layer`` and ``formula`` are ``(f, args)``
-    pairs, run as ``f(*args, x)``; the formula may be the values it computed already."""
-    cotangent = _x(99, x.shape)
-    want, want_dx = (formula if isinstance(formula, Evaluated)
-                     else _value_and_input_grad(*formula, x, cotangent))
-    got, got_dx = _value_and_input_grad(*layer, x, cotangent)
-    for what, ref, out in (("output", want, got), ("input gradient", want_dx, got_dx)):
+def _assert_layer_is_formula(layer, want, x, tol=FP32_TOL):
+    """The ``layer`` (an ``(f, args)`` pair, run as ``f(*args, x)``) gives the formula's output
+    and input gradient ``want`` (:func:`_value_and_input_grad` of the formula) within ``tol``."""
+    got = _value_and_input_grad(*layer, x)
+    for what, ref, out in zip(("output", "input gradient"), want, got):
         err = rel_rms(ref, out)
         assert err <= tol, f"{what}: relative RMS error {err:.3g} against the formula"
-
-
-class Evaluated(tuple):
-    """A formula's output and input gradient, computed once for several layers."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,6 +82,13 @@ def _applied(module):
     """``(variables, segment_ids, x) -> module.apply(...)``, one function object per module (its
     compiled program shared by every case of that module)."""
     return lambda v, seg, x: module.apply(v, x, segment_ids=seg)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(formula, cfg: ModelConfig):
+    """``formula(cfg, ...)`` with ``cfg`` bound: one function object per pair (its compiled
+    program shared by the cases that differ in parameters or segment ids)."""
+    return functools.partial(formula, cfg)
 
 
 def _rms_norm(x, w, eps):
@@ -148,11 +148,6 @@ def _kda_formula(cfg: ModelConfig, p, doc, x):
     return _merge_heads(y) @ p["w_o"]
 
 
-@functools.lru_cache(maxsize=None)
-def _kda_formula_of(cfg: ModelConfig):
-    return functools.partial(_kda_formula, cfg)
-
-
 def _check_kda(gate: str, output_gate: str, impls, seg: np.ndarray):
     """The layer with each core path in ``impls`` against one evaluation of the formula (the
     parameters do not depend on the path)."""
@@ -161,8 +156,7 @@ def _check_kda(gate: str, output_gate: str, impls, seg: np.ndarray):
     x = _x(0, (B, T, cfg.d_model))
     v = _variables(KDALayer(cfg), x)
     doc = jnp.asarray(document_numbers(seg))
-    formula = Evaluated(_value_and_input_grad(_kda_formula_of(cfg), (v["params"], doc), x,
-                                              _x(99, x.shape)))
+    formula = _value_and_input_grad(_bound(_kda_formula, cfg), (v["params"], doc), x)
     for impl in impls:
         layer = KDALayer(cfg.replace(kda=dataclasses.replace(cfg.kda, impl=impl)))
         _assert_layer_is_formula((_applied(layer), (v, jnp.asarray(seg))), formula, x)
@@ -220,13 +214,9 @@ def test_mla_layer_is_its_formula(scale):
     seg = _segments(middle_run=2)
     layer, x = MLALayer(cfg), _x(1, (B, T, cfg.d_model), scale)
     v = _variables(layer, x)
-    _assert_layer_is_formula((_applied(layer), (v, jnp.asarray(seg))),
-                             (_mla_formula_of(cfg), (v["params"], document_numbers(seg))), x)
-
-
-@functools.lru_cache(maxsize=None)
-def _mla_formula_of(cfg: ModelConfig):
-    return functools.partial(_mla_formula, cfg)
+    want = _value_and_input_grad(_bound(_mla_formula, cfg), (v["params"], document_numbers(seg)),
+                                 x)
+    _assert_layer_is_formula((_applied(layer), (v, jnp.asarray(seg))), want, x)
 
 
 # -- Stable LatentMoE and the plain MoE (math §6) -------------------------------------------------
@@ -283,15 +273,6 @@ def test_moe_block_is_its_formula(latent_dim, activation, rsf):
     s = np.asarray(sigmoid(x.reshape(-1, cfg.d_model) @ v["params"]["router"]))
     assert np.mean(np.any(chosen(s + bias) != chosen(s), axis=-1)) >= 0.25
 
-    _assert_layer_is_formula((_moe_applied(block), (v,)),
-                             (_moe_formula_of(cfg), (v["params"], bias)), x)
-
-
-@functools.lru_cache(maxsize=None)
-def _moe_applied(block):
-    return lambda v, x: block.apply(v, x, deterministic=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _moe_formula_of(cfg: ModelConfig):
-    return lambda p, bias, x: _moe_formula(p, bias, cfg, x)
+    formula = lambda p, bias, x: _moe_formula(p, bias, cfg, x)  # noqa: E731
+    _assert_layer_is_formula((lambda v, x: block.apply(v, x, deterministic=True), (v,)),
+                             _value_and_input_grad(formula, (v["params"], bias), x), x)

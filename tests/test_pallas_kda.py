@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    assert_rows_within,
     bf16_rounded,
     gate_bias_grad_error,
     kda_bf16_case,
@@ -85,13 +86,6 @@ def _reference_and_kernels(args, seg, do, dfin, gate_bias, inputs, alone=False):
     return (*out, ker(*args)) if alone else out
 
 
-def _rows_within(ref, x, tol, name=""):
-    """``rel_rms`` of every batch row (axis 0) of ``x`` against ``ref`` within ``tol``: the rows
-    of a case are separate cases, which one row's larger values must not hide."""
-    for row, (r, y) in enumerate(zip(ref, x, strict=True)):
-        assert rel_rms(r, y) <= tol, (name, row, rel_rms(r, y))
-
-
 def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None, alone=False):
     """``kda_pallas`` (interpreted) on ``inputs`` of q, k, v (bf16 unless given) against the
     reference, each batch row on its own: values and all six gradients within math §10's bf16
@@ -106,15 +100,15 @@ def _check_all(args, seg, do, dfin, inputs=_bf16, gate_bias=None, alone=False):
                                                                 inputs=inputs, alone=alone)
     args = (*args, gate_bias)
     assert o.dtype == inputs(args[0]).dtype and o.shape == ro.shape
-    _rows_within(ro, o, BF16_OUT_TOL, "o")
-    _rows_within(rf, f, BF16_OUT_TOL, "final")
+    assert_rows_within(ro, o, BF16_OUT_TOL, "o")
+    assert_rows_within(rf, f, BF16_OUT_TOL, "final")
     for o_alone, f_alone in fwd:
-        _rows_within(ro, o_alone, BF16_OUT_TOL, "o alone")
-        _rows_within(rf, f_alone, BF16_OUT_TOL, "final alone")
+        assert_rows_within(ro, o_alone, BF16_OUT_TOL, "o alone")
+        assert_rows_within(rf, f_alone, BF16_OUT_TOL, "final alone")
     for name, a, r, x in zip(NAMES, args, rg, kg):
         assert x.dtype == a.dtype, name
         tol = BF16_GRAD_GATE_TOL if name in ("g", "beta") else BF16_GRAD_QKV_TOL
-        _rows_within(r, x, tol, name)
+        assert_rows_within(r, x, tol, name)
     if gated:
         assert kg[-1].dtype == gate_bias.dtype
         assert gate_bias_grad_error(kg[3], kg[-1]) <= FP32_TOL, gate_bias_grad_error(kg[3], kg[-1])

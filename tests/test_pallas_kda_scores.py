@@ -138,13 +138,11 @@ def test_gated_scores_softplus_gate_past_fp32_exp_range_k128():
 def test_kernels_lower_for_cuda(dk):
     """Both kernels (with and without segment masks) pass Mosaic GPU's lowering (layouts, WGMMA
     operand tiling) for an sm_90 target; the interpreter alone would accept layouts that do not
-    lower. (At K = 64 without masks, at these sizes, they are lowered by
-    tests/test_pallas_kda.py's ``test_kernels_run_on_each_devices_rows_under_a_mesh``.)"""
+    lower."""
     bf = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((2, 2 * C, 2, dk), jnp.float32)
     tok = lambda dt: jax.ShapeDtypeStruct((2, 2 * C), dt)  # noqa: E731
-    with_masks = SegmentMasks(tok(jnp.int32), tok(jnp.float32), tok(jnp.float32))
-    for masks in (with_masks,) if dk == 64 else (None, with_masks):
+    for masks in (None, SegmentMasks(tok(jnp.int32), tok(jnp.float32), tok(jnp.float32))):
         def fwd_bwd(q, k, g, masks):
             out, vjp = jax.vjp(lambda q, k, g: gated_scores(q, k, g, scale=0.1, masks=masks),
                                q, k, g)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_rows_within
 
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
 from pallas_kernels._mgpu import CHUNK
@@ -58,12 +59,9 @@ def _normals(seed, shape_a, shape_b):
     return jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
 
 
-def _case(correlated: bool | None, b: int, h: int, n: int, dk: int, dv: int, seed: int):
-    """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32; ``correlated``
-    None: :func:`_random_and_correlated` (``b`` = 2)."""
-    akk, beta = (_random_and_correlated(h, n, seed) if correlated is None
-                 else _akk_and_beta(correlated, b, h, n, seed))
-    tp = n * CHUNK
+def _case(akk, beta, dk: int, dv: int, seed: int):
+    """``(akk, beta, xk [b, h, Tp, dk], v [b, Tp, h, dv] token-major)``, fp32."""
+    b, h, tp = akk.shape[:3]
     return akk, beta, *_normals(seed, (b, h, tp, dk), (b, tp, h, dv))
 
 
@@ -114,8 +112,7 @@ def test_inverse_matches_triangular_solve():
         return t, unit_lower_inverse_reference(jnp.where(np.tile(STRICT, (2, 1)), akk, 0.0))
 
     t, ref = inverse_and_reference(*_random_and_correlated(1, 2, seed=0))
-    for row in range(2):
-        assert rel_rms(ref[row], t[row]) <= FP32_TOL, row
+    assert_rows_within(ref, t, FP32_TOL)
 
 
 def test_scaled_inverse_matches_reference():
@@ -126,8 +123,7 @@ def test_scaled_inverse_matches_reference():
     tb = jax.jit(functools.partial(scaled_inverse, interpret=True))(akk, beta)
     ref = jax.jit(scaled_inverse_reference)(akk, beta)
     assert tb.dtype == jnp.bfloat16 and tb.shape == akk.shape
-    for row in range(2):
-        assert rel_rms(ref[row], tb[row]) <= BF16_OUT_TOL, row
+    assert_rows_within(ref, tb, BF16_OUT_TOL)
 
 
 def test_wy_values_and_gradients_match_reference():
@@ -135,14 +131,13 @@ def test_wy_values_and_gradients_match_reference():
     (token-major) against autodiff of the fp32 reference, FP32_TOL, two chunks of random keys
     (batch row 0) and two of correlated keys (row 1); ``dAkk`` is exactly zero on and above the
     diagonal."""
-    args = _case(None, 2, 1, 2, 128, 64, seed=1)
+    args = _case(*_random_and_correlated(1, 2, seed=1), 128, 64, seed=1)
     cts = _cotangents(args[2].shape, args[2].shape[:3] + (64,), seed=1)
     out, grads, ref, ref_grads = _run(args, cts, jnp.float32)
     assert [o.dtype for o in out] == [jnp.float32] * 2
     assert [g.shape for g in grads] == [a.shape for a in args]
-    for row in range(2):
-        _assert_close([r[row] for r in ref], [o[row] for o in out], ("w", "u"), FP32_TOL)
-        _assert_close([r[row] for r in ref_grads], [g[row] for g in grads], NAMES, FP32_TOL)
+    for name, r, x in zip(("w", "u", *NAMES), (*ref, *ref_grads), (*out, *grads), strict=True):
+        assert_rows_within(r, x, FP32_TOL, name)
     _assert_akk_grad_strict(grads[0])
 
 
@@ -151,7 +146,7 @@ def test_wy_bf16_operands():
     bf16 cotangent of ``W``): what comes out in bf16 (``W``, ``dxk``, ``dv``) within math §10's bf16
     tolerances, what comes out in fp32 (``U``, ``dAkk``, ``dbeta``) within FP32_TOL; outputs and
     gradients in the promised dtypes. Two heads of two chunks."""
-    akk, beta, xk, v = _case(False, 1, 2, 2, 64, 128, seed=2)
+    akk, beta, xk, v = _case(*_akk_and_beta(False, 1, 2, 2, seed=2), 64, 128, seed=2)
     args = (akk, beta, xk.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     cts = _cotangents(xk.shape, xk.shape[:3] + (128,), seed=2)
     out, grads, ref, ref_grads = _run(args, cts, jnp.bfloat16)
