@@ -36,8 +36,8 @@ GENERATION_CASES = {
 }
 
 
-def host_variables(cfg: ModelConfig, seed: int) -> dict:
-    """Variables of ``cfg``'s shapes drawn on the host, nothing compiled: every weight
+def host_draw(shapes, seed: int):
+    """Values for a tree of shape structs, drawn on the host, nothing compiled: every weight
     N(0, 0.1^2), every norm scale N(1, 0.1^2). For tests that compare two computations on the same
     variables, whatever their values: a compiled initialiser (one random draw per parameter) costs
     more than a small model's forward. Tests whose point needs the initialiser's own values (zero
@@ -46,15 +46,30 @@ def host_variables(cfg: ModelConfig, seed: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from k3jax.model import abstract_variables
-
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         mean = 1.0 if getattr(path[-1], "key", None) == "scale" else 0.0
         return jnp.asarray(mean + 0.1 * rng.standard_normal(leaf.shape), leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract_variables(cfg))
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def host_variables(cfg: ModelConfig, seed: int) -> dict:
+    """The model's variables for ``cfg``, drawn on the host (:func:`host_draw`)."""
+    from k3jax.model import abstract_variables
+
+    return host_draw(abstract_variables(cfg), seed)
+
+
+def host_module_variables(module, *args, seed: int = 0, **kwargs) -> dict:
+    """A flax module's variables for ``module.init(key, *args, **kwargs)``, unboxed and drawn on
+    the host (:func:`host_draw`): only the initialiser's shapes are traced."""
+    import flax.linen as nn
+    import jax
+
+    return host_draw(jax.eval_shape(
+        lambda: nn.meta.unbox(module.init(jax.random.key(0), *args, **kwargs))), seed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import host_variables, small_config
 
 from k3jax.config import ModelConfig, ResidualConfig
 from k3jax.layers.attnres import (
@@ -32,7 +32,7 @@ from k3jax.layers.attnres import (
     split_state,
 )
 from k3jax.layers.norms import RMSNorm
-from k3jax.model import K3Model, abstract_variables, init_variables
+from k3jax.model import K3Model, abstract_variables
 from k3jax.ops.attnres import (
     attnres_reference,
     attnres_two_phase,
@@ -409,7 +409,11 @@ def attnres_setup():
     # block [0, 2) scanned (two iterations: the first masks the partial sum and the block is
     # committed after the scan), block [2, 3) an unrolled layer ending mid-block
     assert [p.repeats for p in plan_segments(cfg)] == [2, 0]
-    v = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(0))
+    # Drawn on the host, the AttnRes parameters as the initialiser sets them: zero queries (every
+    # read the mean of its sources) and unit key-norm weights.
+    as_initialised = {"query": jnp.zeros_like, "key_norm": jnp.ones_like}
+    v = jax.tree_util.tree_map_with_path(
+        lambda path, x: as_initialised.get(path[-1].key, lambda x: x)(x), host_variables(cfg, 0))
     return cfg, v
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import host_variables, small_config
 
 import k3jax.ops.attnres as attnres_ops
 import k3jax.parallel as kp
@@ -256,15 +256,9 @@ def test_a_model_reads_through_the_kernels_as_through_xla(monkeypatch):
                        residual=ResidualConfig(kind="attnres", block_size_layers=1))
     model = K3Model(cfg)
     tokens = jax.random.randint(jax.random.key(1), (2, TILE // 2), 0, cfg.vocab_size)
-
-    @jax.jit  # one compile, where op by op each parameter's draw compiles its own
-    def perturbed_init(key, tokens):
-        params = model.init(key, tokens)
-        # away from the zero-initialised queries' uniform mixing, so the scores' gradients count
-        return jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
-                            params)
-
-    params = perturbed_init(jax.random.key(0), tokens)
+    # random queries, away from the initialiser's zero queries' uniform mixing, so the scores'
+    # gradients count
+    params = host_variables(cfg, 0)
 
     def value_and_grads():
         def loss(p):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import host_module_variables
 
 import k3jax.parallel as kp
 from k3jax.config import ConfigError, ModelConfig, MoEConfig
@@ -196,11 +196,6 @@ def test_capacity_drops_exactly_the_overflow(problem, kind, gmm):
     assert rel_rms(expected, y) <= FP32_TOL
 
 
-def _block(cfg: ModelConfig, x):
-    init = jax.jit(lambda key, x: MoEBlock(cfg).init(key, x, deterministic=True))  # one compile
-    return nn.meta.unbox(dict(init(jax.random.key(3), x)))
-
-
 def _moe_cfg(**moe) -> ModelConfig:
     base = dict(num_experts=E, top_k=K, expert_intermediate=M, latent_dim=D, shared_intermediate=16,
                 balancing="quantile_hist", qb_bins=50)
@@ -212,7 +207,7 @@ def test_block_statistics_and_dropped_count_under_mesh():
     with a capacity factor the sown count equals the NumPy buffer model's."""
     x = jax.random.normal(jax.random.key(4), (4, 16, 32))
     single = _moe_cfg(dispatch="ragged")
-    variables = _block(single, x)
+    variables = host_module_variables(MoEBlock(single), x, seed=3, deterministic=True)
     # A bias that pulls every token to experts 0 and 1 (expert device 0): half the slots overflow.
     bias = np.zeros(E, np.float32)
     bias[:2] = 2.0

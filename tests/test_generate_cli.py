@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import host_variables, small_config
 
 from k3jax.generate import forward_logits
 
@@ -23,7 +23,7 @@ def workdir(tmp_path_factory):
 
     from configs.k3_tiny import get_config
     from k3jax.data import build_corpus, make_data
-    from k3jax.model import init_variables, logical_axes
+    from k3jax.model import logical_axes
     from k3jax.train.checkpoint import Checkpointer
     from k3jax.train.loop import _recorded_config
     from k3jax.train.optim import build_optimizer
@@ -46,8 +46,7 @@ def workdir(tmp_path_factory):
     run.mkdir()
     config = _recorded_config(cfg, make_data(cfg.data, 256, run, 1, log=lambda m: None))
     (run / "config.json").write_text(json.dumps(config, indent=1))
-    v = jax.jit(init_variables, static_argnums=(0, 2))(
-        cfg.model, jax.random.PRNGKey(cfg.train.seed), (2, cfg.data.seq_len))
+    v = host_variables(cfg.model, cfg.train.seed)
     opt = build_optimizer(cfg.optim, cfg.train.steps, v["params"],
                           logical_axes(cfg.model)["params"])
     # init_state jitted: one compile instead of one per optimizer-state leaf

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import documents_of, small_config
+from helpers import documents_of, host_module_variables, small_config
 
 from k3jax.layers.cache_context import CacheContext
 from k3jax.layers.kda import KDALayer
@@ -70,11 +70,6 @@ def test_conv_decode_steps_equal_full_conv():
     np.testing.assert_allclose(state, final)
 
 
-def _init(layer, x, **kw):
-    import flax.linen as nn
-    return jax.jit(lambda x: nn.meta.unbox(layer.init(jax.random.key(0), x, **kw)))(x)
-
-
 def _jit(layer, **kw):
     """``layer.apply`` with ``kw`` fixed, jitted: the layers run several times slower op by op.
     Build it once for a loop of same-shaped calls (one compile)."""
@@ -85,7 +80,7 @@ def _jit(layer, **kw):
 def test_kda_layer_split_in_two_equals_one_run(gate, out_gate):
     cfg = small_config(kda=dataclasses.replace(small_config().kda, gate=gate, output_gate=out_gate))
     layer, x = KDALayer(cfg), _x(5, cfg.d_model)
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     full = _jit(layer)(v, x)
     h1, cache = _jit(layer, return_cache=True)(v, x[:, :11])
     h2 = _jit(layer)(v, x[:, 11:], cache=cache)
@@ -95,7 +90,7 @@ def test_kda_layer_split_in_two_equals_one_run(gate, out_gate):
 def test_kda_layer_decode_equals_full():
     cfg = small_config()
     layer, x = KDALayer(cfg), _x(6, cfg.d_model, 9)
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     full = _jit(layer)(v, x)
     cache = KDALayer.empty_cache(cfg, B)
     outs, step = [], _jit(layer, method=KDALayer.decode_step)
@@ -108,7 +103,7 @@ def test_kda_layer_decode_equals_full():
 def test_kda_layer_segments_are_independent():
     cfg = small_config()
     layer, x, seg = KDALayer(cfg), _x(7, cfg.d_model), _segments()
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     packed = np.asarray(_jit(layer)(v, x, segment_ids=seg))
     for b in range(B):  # each document alone must match its packed slice
         for idx in documents_of(seg[b]):
@@ -126,7 +121,7 @@ def test_kda_layer_negative_eigenvalues_match_the_recurrence():
         kda = dataclasses.replace(small_config().kda, allow_neg_eigval=neg, impl=impl)
         return KDALayer(small_config(kda=kda))
 
-    v = _init(layer(True, "chunked"), x)  # neither option changes the parameters
+    v = host_module_variables(layer(True, "chunked"), x)  # neither option changes the parameters
     outs = {(neg, impl): _jit(layer(neg, impl))(v, x)
             for neg, impl in ((True, "reference"), (True, "chunked"), (False, "chunked"))}
     assert rel_rms(outs[True, "reference"], outs[True, "chunked"]) < FP32_TOL
@@ -164,7 +159,7 @@ def test_kda_gate_is_computed_in_fp32(gate):
     cfg = small_config()
     cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, gate=gate))
     layer, x = KDALayer(cfg), jnp.asarray(_x(11, cfg.d_model), jnp.bfloat16)
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     h = cfg.kda.num_heads
     v["params"]["A_log"] = jnp.linspace(-0.5, 0.5, h, dtype=jnp.float32)  # exp(A_log) != 1
     # A trained gate's scale: the product, not dt_bias, sets f (at init it is ~100x smaller).
@@ -189,7 +184,7 @@ def test_mla_absorbed_equals_expanded(q_lora, rope, gate):
     cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, q_lora_rank=q_lora, rope=rope,
                                               output_gate=gate))
     layer, x, seg = MLALayer(cfg), _x(8, cfg.d_model), _segments()
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     expanded = _jit(layer)(v, x, segment_ids=seg)
     absorbed = _jit(layer, method=MLALayer.absorbed)(v, x, segment_ids=seg)
     assert rel_rms(expanded, absorbed) < FP32_TOL
@@ -200,7 +195,7 @@ def test_mla_decode_equals_full(rope):
     cfg = small_config()
     cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, rope=rope))
     layer, x = MLALayer(cfg), _x(9, cfg.d_model, 7)
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     full = _jit(layer)(v, x)
     cache = MLALayer.empty_cache(cfg, B, max_len=10)
     outs, step = [], _jit(layer, method=MLALayer.cached)
@@ -218,7 +213,7 @@ def test_mla_decode_equals_full(rope):
 def test_mla_segments_are_independent():
     cfg = small_config()
     layer, x, seg = MLALayer(cfg), _x(10, cfg.d_model), _segments()
-    v = _init(layer, x)
+    v = host_module_variables(layer, x)
     packed = np.asarray(_jit(layer)(v, x, segment_ids=seg))
     for b in range(B):
         for idx in documents_of(seg[b]):

@@ -6,7 +6,7 @@ import functools
 
 import jax
 import numpy as np
-from helpers import init
+from helpers import host_variables
 
 from configs.k3_tiny import model_config
 from k3jax.model import K3Model
@@ -28,7 +28,7 @@ def _tiny_diag() -> dict:
     """k3_tiny cut to two layers (KDA with a dense FFN, then MLA with MoE, the AttnRes blocks as
     configured): every kind of sub-layer logs its read, at half the compile time."""
     cfg = model_config().replace(num_layers=2, mla_every=2)
-    return cfg, _diag(cfg, init(cfg, 0))
+    return cfg, _diag(cfg, host_variables(cfg, 0))
 
 
 def test_depth_heatmap_is_drawn_for_a_k3_tiny_run(tmp_path):
@@ -83,12 +83,9 @@ def test_depth_order_of_a_stack_mixing_scanned_and_unrolled_layers():
     cfg = model_config().replace(num_layers=4, mla_layers=(1,), moe=None, dtype="float32",
                                  residual=ResidualConfig(kind="attnres", block_size_layers=2))
     assert [p.repeats for p in plan_segments(cfg)] == [0, 2]
-    # AttnRes queries start at zero (every read uniform over its sources): perturbed, each read
+    # Random queries (the initialiser's are zero: every read uniform over its sources): each read
     # has weights of its own, so a read placed at the wrong depth shows
-    leaves, tree = jax.tree_util.tree_flatten_with_path(init(cfg, 0))
-    variables = jax.tree.unflatten(tree, [
-        x + 0.5 * jax.random.normal(jax.random.key(i), x.shape, x.dtype)
-        if "query" in jax.tree_util.keystr(p) else x for i, (p, x) in enumerate(leaves)])
+    variables = host_variables(cfg, 0)
     unrolled = cfg.replace(scan_layers=False)
     scanned_labels, scanned = depth_weight_rows(_diag(cfg, variables))
     labels, rows = depth_weight_rows(
