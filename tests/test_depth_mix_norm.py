@@ -18,15 +18,16 @@ from helpers import host_variables, small_config
 
 import k3jax.ops.attnres as attnres_ops
 import k3jax.parallel as kp
-from k3jax.config import ResidualConfig
+from k3jax.config import MLAConfig, MoEConfig, ResidualConfig
 from k3jax.config.mesh import MeshConfig
 from k3jax.devices import hopper_gpus, hopper_target
-from k3jax.model import K3Model
+from k3jax.model import K3Model, abstract_variables
 from k3jax.ops.attnres import (
     depth_mix_norm,
     depth_mix_norm_kernels,
     depth_mix_reference,
     kernel_depth_mix_norm,
+    rms_norm_read,
 )
 from k3jax.ops.rms_norm import rms_norm
 from k3jax.ops.tolerance import BF16_GRAD_QKV_TOL, BF16_OUT_TOL, FP32_TOL, rel_rms
@@ -214,6 +215,59 @@ def test_op_rejects_an_unknown_impl():
     sources, w, g, scale, _ = _operands(2, jnp.float32, shape=(1, 8, 32))
     with pytest.raises(ValueError, match="depth_mix_norm: impl='triton' is invalid: expected"):
         depth_mix_norm(sources[:-1], sources[-1], w, g, scale, EPS, NORM_EPS, impl="triton")
+
+
+def test_one_source_read_is_the_rms_norm(monkeypatch):
+    """``rms_norm_read`` through the kernels (interpreted) is ``rms_norm``: the value and the
+    gradients of the input and the weight against autodiff of the formula, bf16 rows of three
+    32-column chunks (math §10 output and gradient tolerances)."""
+    (x,), _, _, scale, (dy, _, _) = _operands(1, jnp.bfloat16, shape=(2, TILE // 2, D), seed=5)
+    monkeypatch.setattr(attnres_ops, "takes_kernels",
+                        lambda impl, module, *args, **kwargs: module == "depth_mix_norm")
+    monkeypatch.setattr(attnres_ops, "depth_mix_norm_kernels",
+                        functools.partial(depth_mix_norm_kernels, interpret=True))
+
+    def value_and_grads(norm, x, scale):
+        y, vjp = jax.vjp(lambda x, scale: norm(x, scale, NORM_EPS), x, scale)
+        return (y, *vjp(dy.astype(y.dtype)))
+
+    ours = jax.jit(functools.partial(value_and_grads, rms_norm_read))(x, scale)
+    want = jax.jit(functools.partial(value_and_grads, rms_norm))(x.astype(jnp.float32), scale)
+    for name, a, b, tol in zip(("y", "dx", "dscale"), want, ours,
+                               (BF16_OUT_TOL, BF16_GRAD_QKV_TOL, BF16_GRAD_QKV_TOL)):
+        assert b.dtype == (x.dtype if name != "dscale" else scale.dtype), name
+        err = rel_rms(a, np.asarray(b, np.float32))
+        assert err <= tol, f"{name}: relative RMS {err:.2e} > {tol:.0e}"
+    with pytest.raises(ValueError, match="rms_norm_read: x must be"):
+        rms_norm_read(x[0], scale, NORM_EPS)
+    with pytest.raises(ValueError, match="rms_norm_read: impl='triton' is invalid"):
+        rms_norm_read(x, scale, NORM_EPS, impl="triton")
+
+
+def test_a_models_norms_take_the_read_kernels(monkeypatch):
+    """Where the kernels take a call, every RMSNorm of ``[B, T, d]`` rows in a model goes to them:
+    the plain residual's pre-norms and final norm, MLA's latent norms and the MoE's latent norm
+    (traced only: the kernels' numbers are the test above's). The widths are this test's own, so
+    no other test's trace of a layer (which flax's lifted jit reuses) hides a call."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_intermediate=16, latent_dim=48,
+                    shared_intermediate=16)
+    mla = MLAConfig(num_heads=2, q_lora_rank=80, kv_lora_rank=112, qk_nope_head_dim=8,
+                    qk_rope_head_dim=8, v_head_dim=8)
+    cfg = small_config(d_model=144, num_layers=2, mla_every=2, first_k_dense=0, moe=moe, mla=mla,
+                       scan_layers=False)
+    variables = abstract_variables(cfg)  # traced on its own few tokens, before the kernels
+    widths = []
+
+    def traced_kernels(sources, *args, **kwargs):
+        widths.append(sources[0].shape[-1])
+        return depth_mix_norm_kernels(sources, *args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(attnres_ops, "takes_kernels",
+                        lambda impl, module, *args, **kwargs: module == "depth_mix_norm")
+    monkeypatch.setattr(attnres_ops, "depth_mix_norm_kernels", traced_kernels)
+    tokens = jax.ShapeDtypeStruct((2, TILE // 2), jnp.int32)
+    jax.eval_shape(lambda v, t: K3Model(cfg).apply(v, t), variables, tokens)
+    assert sorted(set(widths)) == [48, 80, 112, 144], widths
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=4, tensor=2), MeshConfig(data=2, fsdp=4)],

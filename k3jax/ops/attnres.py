@@ -204,15 +204,43 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
         raise ValueError(f"depth_mix_norm: impl={impl!r} is invalid: expected one of "
                          f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
     sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
-    b, t, d = sources[0].shape
-    rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
-    u = jax.ShapeDtypeStruct((d,), _F32)  # the folded query's shape: nothing traced to ask
-    valid_row = jax.ShapeDtypeStruct((1,), jnp.int32)
-    if takes_kernels(impl, "depth_mix_norm", rows, u, scale, valid_row):
+    if _takes_read_kernels(impl, sources, scale):
         return depth_mix_norm_kernels(sources, w, g, scale, valid.astype(jnp.int32)[None],
                                       (float(eps), float(norm_eps)))
     h, alpha = _depth_mix(float(eps), sources, valid, w, g)
     return rms_norm(h, scale, norm_eps), jnp.mean(alpha, axis=(1, 2)), sources
+
+
+def rms_norm_read(x: jax.Array, scale: jax.Array, eps: float, impl: str = "auto") -> jax.Array:
+    """``rms_norm(x, scale, eps)`` of ``x [B, T, d]`` (in ``x.dtype``), through
+    :func:`depth_mix_norm`'s kernels where ``impl`` takes them, else the formula. A read of one
+    source is that source exactly: its one depth weight is the softmax of one score, 1, and the
+    score's gradient is then exactly 0. So the kernels compute the norm alone, in one pass over
+    ``x`` forward and one over ``x`` and the gradient backward, where XLA's fusions of the norm
+    read them two and three times (and, for the MoE's latent norm, the combine of the experts'
+    slots with them)."""
+    if impl not in DEPTH_MIX_NORM_IMPLS:
+        raise ValueError(f"rms_norm_read: impl={impl!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
+    if x.ndim != 3 or scale.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_read: x must be [B, T, d] and scale [d], got {x.shape} and "
+                         f"{scale.shape}")
+    if not _takes_read_kernels(impl, (x,), scale):
+        return rms_norm(x, scale, eps)
+    no_query = jnp.zeros(x.shape[-1:], _F32)
+    y, _, _ = depth_mix_norm_kernels((x,), no_query, no_query, scale, jnp.ones((1,), jnp.int32),
+                                     (float(eps), float(eps)))
+    return y
+
+
+def _takes_read_kernels(impl: str, sources, scale) -> bool:
+    """Whether ``impl`` runs the read kernels on ``sources`` (a tuple of ``[B, T, d]``) as each
+    device holds its rows."""
+    b, t, d = sources[0].shape
+    rows = (jax.ShapeDtypeStruct((rows_per_device(b) * t, d), sources[0].dtype),) * len(sources)
+    u = jax.ShapeDtypeStruct((d,), _F32)  # the folded query's shape: nothing traced to ask
+    return takes_kernels(impl, "depth_mix_norm", rows, u, scale,
+                         jax.ShapeDtypeStruct((1,), jnp.int32))
 
 
 def depth_mix_norm_kernels(sources, w, g, scale, valid, eps: tuple[float, float],
