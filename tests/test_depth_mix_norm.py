@@ -239,7 +239,7 @@ def test_one_source_read_is_the_rms_norm(monkeypatch):
         err = rel_rms(a, np.asarray(b, np.float32))
         assert err <= tol, f"{name}: relative RMS {err:.2e} > {tol:.0e}"
     with pytest.raises(ValueError, match="rms_norm_read: x must be"):
-        rms_norm_read(x[0], scale, NORM_EPS)
+        rms_norm_read(x[0, 0], scale, NORM_EPS)
     with pytest.raises(ValueError, match="rms_norm_read: impl='triton' is invalid"):
         rms_norm_read(x, scale, NORM_EPS, impl="triton")
 

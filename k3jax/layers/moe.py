@@ -133,8 +133,7 @@ class MoEBlock(nn.Module):
             y, dropped = dispatch(z, ids, weights, experts, GLUSpec.from_config(mc))
         if mc.is_latent:
             if mc.latent_norm:
-                y = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="latent_norm")(
-                    y.reshape(b, t, width)).reshape(b * t, width)  # [B, T, d]: the kernels' rows
+                y = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.param_dtype, name="latent_norm")(y)
             y = y.astype(cdt) @ w_up.astype(cdt)
 
         if mc.shared_intermediate:

@@ -9,12 +9,11 @@ import jax.numpy as jnp
 from k3jax.layers.param import ones
 from k3jax.ops.attnres import rms_norm_read
 from k3jax.ops.gated_head_norm import gated_head_norm
-from k3jax.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis with a learnable weight (init 1). ``[B, T, d]`` inputs take the
-    AttnRes read kernels on a Hopper GPU (:func:`~k3jax.ops.attnres.rms_norm_read`)."""
+    """RMSNorm over the last axis with a learnable weight (init 1), of ``[B, ..., d]`` rows: on a
+    Hopper GPU through the AttnRes read kernels (:func:`~k3jax.ops.attnres.rms_norm_read`)."""
 
     eps: float = 1e-5
     dtype: str = "float32"
@@ -22,8 +21,7 @@ class RMSNorm(nn.Module):
     axis_name: str = "norm"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        norm = rms_norm_read if x.ndim == 3 else rms_norm
-        return norm(x, self.weight(x.shape[-1]), self.eps).astype(jnp.dtype(self.dtype))
+        return rms_norm_read(x, self.weight(x.shape[-1]), self.eps).astype(jnp.dtype(self.dtype))
 
     @nn.compact
     def weight(self, d: int) -> jax.Array:

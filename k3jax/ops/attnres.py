@@ -200,9 +200,7 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
     (ValueError when they cannot take the call), ``"auto"`` runs them where they can (a Hopper GPU,
     tile-aligned shapes), ``"xla"`` the two steps apart (:func:`depth_mix`, then the norm).
     """
-    if impl not in DEPTH_MIX_NORM_IMPLS:
-        raise ValueError(f"depth_mix_norm: impl={impl!r} is invalid: expected one of "
-                         f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
+    _check_impl("depth_mix_norm", impl)
     sources, valid = _mix_inputs(blocks, partial, w, g, partial_valid)
     if _takes_read_kernels(impl, sources, scale):
         return depth_mix_norm_kernels(sources, w, g, scale, valid.astype(jnp.int32)[None],
@@ -212,25 +210,30 @@ def depth_mix_norm(blocks: Sequence[jax.Array], partial: jax.Array | None, w: ja
 
 
 def rms_norm_read(x: jax.Array, scale: jax.Array, eps: float, impl: str = "auto") -> jax.Array:
-    """``rms_norm(x, scale, eps)`` of ``x [B, T, d]`` (in ``x.dtype``), through
-    :func:`depth_mix_norm`'s kernels where ``impl`` takes them, else the formula. A read of one
-    source is that source exactly: its one depth weight is the softmax of one score, 1, and the
-    score's gradient is then exactly 0. So the kernels compute the norm alone, in one pass over
-    ``x`` forward and one over ``x`` and the gradient backward, where XLA's fusions of the norm
-    read them two and three times (and, for the MoE's latent norm, the combine of the experts'
-    slots with them)."""
-    if impl not in DEPTH_MIX_NORM_IMPLS:
-        raise ValueError(f"rms_norm_read: impl={impl!r} is invalid: expected one of "
-                         f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
-    if x.ndim != 3 or scale.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm_read: x must be [B, T, d] and scale [d], got {x.shape} and "
+    """``rms_norm(x, scale, eps)`` of ``x [B, ..., d]`` (in ``x.dtype``; ``B`` the batch's rows,
+    as the mesh splits them), through :func:`depth_mix_norm`'s kernels where ``impl`` takes them,
+    else the formula. A read of one source is that source exactly: its one depth weight is the
+    softmax of one score, 1, and the score's gradient is then exactly 0. So the kernels compute
+    the norm alone, in one pass over ``x`` forward and one over ``x`` and the gradient backward,
+    where XLA's fusions of the norm read them two and three times (and, for the MoE's latent
+    norm, the combine of the experts' slots with them)."""
+    _check_impl("rms_norm_read", impl)
+    if x.ndim < 2 or scale.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_read: x must be [B, ..., d] and scale [d], got {x.shape} and "
                          f"{scale.shape}")
-    if not _takes_read_kernels(impl, (x,), scale):
+    rows = x.reshape(x.shape[0], -1, x.shape[-1])                        # [B, T, d]
+    if not _takes_read_kernels(impl, (rows,), scale):
         return rms_norm(x, scale, eps)
     no_query = jnp.zeros(x.shape[-1:], _F32)
-    y, _, _ = depth_mix_norm_kernels((x,), no_query, no_query, scale, jnp.ones((1,), jnp.int32),
-                                     (float(eps), float(eps)))
-    return y
+    y, _, _ = depth_mix_norm_kernels((rows,), no_query, no_query, scale,
+                                     jnp.ones((1,), jnp.int32), (float(eps), float(eps)))
+    return y.reshape(x.shape)
+
+
+def _check_impl(op: str, impl: str) -> None:
+    if impl not in DEPTH_MIX_NORM_IMPLS:
+        raise ValueError(f"{op}: impl={impl!r} is invalid: expected one of "
+                         f"{', '.join(map(repr, DEPTH_MIX_NORM_IMPLS))}")
 
 
 def _takes_read_kernels(impl: str, sources, scale) -> bool:
